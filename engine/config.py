@@ -1,0 +1,183 @@
+"""Small frozen configuration dataclasses shared by every engine layer.
+
+`ModelConfig` is parsed from a Hugging Face `config.json` (Qwen3 and Llama families); it accepts
+both the classic `rope_theta` + `rope_scaling` fields and the newer `rope_parameters` form.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, UnsupportedModelError
+
+# config.json "architectures" entry -> our family name.
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `rope_type` selects how inverse frequencies are scaled."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope_scaling type {self.rope_type!r} is not supported (supported: {ROPE_TYPES})"
+            )
+        if self.theta <= 0 or self.factor <= 0:
+            raise CheckpointError("rope theta and factor must be positive")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
+        params = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or {}
+        merged = {**scaling, **params}
+        theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        keys = (
+            "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+            "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate",
+        )
+        kwargs = {k: merged[k] for k in keys if merged.get(k) is not None}
+        if rope_type == "yarn" and "original_max_position_embeddings" not in kwargs:
+            kwargs["original_max_position_embeddings"] = cfg.get("max_position_embeddings")
+        return cls(theta=float(theta), rope_type=str(rope_type), **kwargs)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only target model (Qwen3 = Llama + per-head q/k RMSNorm)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    torch_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family not in ARCHITECTURES.values():
+            raise UnsupportedModelError(f"unknown model family {self.family!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise CheckpointError(f"config field {name} must be positive")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3"
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if family is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {sorted(ARCHITECTURES)}"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=RopeConfig.from_hf(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"config.json has an invalid field: {e}") from None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        return cls.from_hf(read_config_json(path))
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """Read `config.json` from a model directory with typed errors for the common failures."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{path} is not a model directory: no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {cfg_path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_path} does not hold a JSON object")
+    return cfg
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV pool geometry: `num_pages` pages of `page_size` token slots per layer."""
+
+    page_size: int = 16
+    num_pages: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.num_pages < 1:
+            raise ValueError("page_size and num_pages must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step may do."""
+
+    max_batch_tokens: int = 512   # tokens per forward (prefill chunks + decode tokens)
+    max_running: int = 64         # sequences in flight at once
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_running < 1:
+            raise ValueError("max_batch_tokens and max_running must be >= 1")
