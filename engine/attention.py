@@ -47,14 +47,14 @@ class DenseCausal:
 class PagedAttention:
     """Paged attention over the KV pool for one forward pass.
 
-    Built once per forward from each sequence's (cached length, new-token count, slot list) and
-    shared by all layers; `k_caches[l]`/`v_caches[l]` are layer l's slot tensors [S, Hkv, D].
+    Built once per forward from each sequence's page table, context length and new-token count,
+    and shared by all layers; `k_caches[l]`/`v_caches[l]` are layer l's slot tensors [S, Hkv, D].
     """
 
     k_caches: Sequence[torch.Tensor]
     v_caches: Sequence[torch.Tensor]
     slot_mapping: torch.Tensor       # [T] where each new token's K/V goes
-    gather: torch.Tensor             # [B, L] slots of each sequence's keys
+    gather: torch.Tensor             # [B, L] slots of each sequence's keys (whole pages)
     q_index: torch.Tensor            # [B, Q] token row per (sequence, query); T = padding
     out_index: torch.Tensor | None   # [T] output row per token (None: identity)
     mask: torch.Tensor | None        # [B, 1, Q, L]
@@ -65,46 +65,45 @@ class PagedAttention:
         cls,
         k_caches: Sequence[torch.Tensor],
         v_caches: Sequence[torch.Tensor],
-        slots: Sequence[Sequence[int]],
+        page_tables: Sequence[Sequence[int]],
+        ctx_lens: Sequence[int],
         num_new: Sequence[int],
+        page_size: int,
         scale: float,
     ) -> PagedAttention:
-        """`slots[b]` lists the slots of sequence b's whole context, new tokens last;
-        `num_new[b]` of them belong to this forward's tokens (laid out in batch order)."""
+        """Sequence b has `ctx_lens[b]` tokens of context whose KV lives in the pages
+        `page_tables[b]`; its last `num_new[b]` tokens are this forward's queries (laid out in
+        batch order). Their K/V is stored by `attend` before attention runs."""
         device = k_caches[0].device
-        batch = len(slots)
-        ctx_lens = [len(s) for s in slots]
-        max_len, max_q = max(ctx_lens), max(num_new)
+        batch = len(page_tables)
+        max_pages = max(len(p) for p in page_tables)
+        max_q = max(num_new)
         n_tokens = sum(num_new)
-        gather = torch.zeros(batch, max_len, dtype=torch.long)
-        q_index = torch.full((batch, max_q), n_tokens, dtype=torch.long)
-        q_pos = torch.zeros(batch, max_q, dtype=torch.long)
-        new_slots: list[int] = []
-        row = 0
-        for b, (s, q) in enumerate(zip(slots, num_new)):
-            gather[b, : len(s)] = torch.tensor(s, dtype=torch.long)
-            q_index[b, :q] = torch.arange(row, row + q)
-            q_pos[b, :q] = torch.arange(len(s) - q, len(s))
-            new_slots.extend(s[len(s) - q:])
-            row += q
+        table = torch.zeros(batch, max_pages, dtype=torch.long)
+        for b, pages in enumerate(page_tables):
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+        offsets = torch.arange(page_size)
+        gather = (table[:, :, None] * page_size + offsets).reshape(batch, max_pages * page_size)
+        lens = torch.tensor(ctx_lens, dtype=torch.long)
+        n_new = torch.tensor(num_new, dtype=torch.long)
+        q_off = torch.arange(max_q)
+        q_valid = q_off[None, :] < n_new[:, None]                       # [B, Q]
+        q_pos = (lens - n_new)[:, None] + q_off[None, :]                # [B, Q] absolute positions
+        first_row = torch.cumsum(n_new, 0) - n_new
+        q_index = torch.where(q_valid, first_row[:, None] + q_off[None, :], n_tokens)
+        slot_mapping = gather.gather(1, q_pos.clamp(max=gather.shape[1] - 1))[q_valid]
         # query i of sequence b sees key j iff j <= its position (padding queries see key 0).
-        key_pos = torch.arange(max_len)
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]
-        uniform = all(n == max_len for n in ctx_lens) and all(q == max_q for q in num_new)
+        q_pos = torch.where(q_valid, q_pos, 0)
+        mask = torch.arange(gather.shape[1])[None, None, :] <= q_pos[:, :, None]
         out_index = None
-        if not (uniform or batch == 1):
-            flat = torch.full((n_tokens + 1,), 0, dtype=torch.long)
+        if batch > 1 and not bool(q_valid.all()):
+            flat = torch.zeros(n_tokens + 1, dtype=torch.long)
             flat[q_index.reshape(-1)] = torch.arange(batch * max_q)
             out_index = flat[:n_tokens].to(device)
-        if max_q == 1 and all(n == max_len for n in ctx_lens):
-            mask_t = None  # decode with equal lengths: every key visible
-        else:
-            mask_t = mask[:, None].to(device)
         return cls(
-            k_caches=k_caches, v_caches=v_caches,
-            slot_mapping=torch.tensor(new_slots, dtype=torch.long, device=device),
+            k_caches=k_caches, v_caches=v_caches, slot_mapping=slot_mapping.to(device),
             gather=gather.to(device), q_index=q_index.to(device), out_index=out_index,
-            mask=mask_t, scale=scale,
+            mask=mask[:, None].to(device), scale=scale,
         )
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -113,3 +112,50 @@ class PagedAttention:
         return dispatch.paged_attention(
             q, k_cache, v_cache, self.gather, self.q_index, self.out_index, self.mask, self.scale
         )
+
+
+@dataclass
+class PagedDraftAttention:
+    """The DFlash drafter's attention for one forward: N blocks of B queries, each over its
+    sequence's cached drafter context K/V (paged, same page tables as the target) plus the
+    block's own K/V; non-causal for full layers, causal with a window for sliding layers."""
+
+    k_caches: Sequence[torch.Tensor]           # per drafter layer [S, Hkv, D]
+    v_caches: Sequence[torch.Tensor]
+    gather: torch.Tensor                       # [N, L] context slots (whole pages)
+    ctx_lens: torch.Tensor                     # [N] valid context keys
+    block_size: int
+    scale: float
+    kinds: Sequence[tuple[bool, int | None]]   # per layer: (causal, window)
+
+    @classmethod
+    def build(
+        cls,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        page_tables: Sequence[Sequence[int]],
+        ctx_lens: Sequence[int],
+        block_size: int,
+        page_size: int,
+        drafter,
+    ) -> PagedDraftAttention:
+        device = k_caches[0].device
+        max_pages = max(1, max(len(p) for p in page_tables))
+        table = torch.zeros(len(page_tables), max_pages, dtype=torch.long)
+        for b, pages in enumerate(page_tables):
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+        gather = (table[:, :, None] * page_size + torch.arange(page_size)).flatten(1)
+        kinds = [drafter.layer_kind(i) for i in range(len(k_caches))]
+        return cls(k_caches, v_caches, gather.to(device),
+                   torch.tensor(ctx_lens, dtype=torch.long, device=device), block_size,
+                   drafter.attention_scale, kinds)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, b = self.gather.shape[0], self.block_size
+        causal, window = self.kinds[layer]
+        out = dispatch.draft_attention(
+            q.view(n, b, *q.shape[1:]), self.k_caches[layer][self.gather],
+            self.v_caches[layer][self.gather], self.ctx_lens, k.view(n, b, *k.shape[1:]),
+            v.view(n, b, *v.shape[1:]), self.scale, causal, window,
+        )
+        return out.reshape(n * b, *q.shape[1:])

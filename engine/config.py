@@ -60,7 +60,8 @@ class RopeConfig:
             "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate",
         )
         kwargs = {k: merged[k] for k in keys if merged.get(k) is not None}
-        if rope_type == "yarn" and "original_max_position_embeddings" not in kwargs:
+        # transformers defaults the pretraining length to max_position_embeddings for both types.
+        if rope_type in ("llama3", "yarn") and "original_max_position_embeddings" not in kwargs:
             kwargs["original_max_position_embeddings"] = cfg.get("max_position_embeddings")
         return cls(theta=float(theta), rope_type=str(rope_type), **kwargs)
 
@@ -112,6 +113,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"supported: {sorted(ARCHITECTURES)}"
             )
+        _refuse_unimplemented(cfg)
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -143,6 +145,20 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         return cls.from_hf(read_config_json(path))
+
+
+def _refuse_unimplemented(cfg: dict[str, Any]) -> None:
+    """Raise UnsupportedModelError for config features our model code does not implement."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
+    layer_types = set(cfg.get("layer_types") or ["full_attention"])
+    if cfg.get("use_sliding_window") or layer_types != {"full_attention"}:
+        raise UnsupportedModelError("sliding-window attention layers are not supported")
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
@@ -181,3 +197,18 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings. block_size None: the drafter checkpoint's own."""
+
+    block_size: int | None = None
+    MIN_BLOCK = 2
+    MAX_BLOCK = 16
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and not self.MIN_BLOCK <= self.block_size <= self.MAX_BLOCK:
+            raise ValueError(
+                f"block_size must be in [{self.MIN_BLOCK}, {self.MAX_BLOCK}], got {self.block_size}"
+            )

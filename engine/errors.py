@@ -15,6 +15,10 @@ class UnsupportedModelError(CheckpointError):
     """The checkpoint's architecture (or a feature of it) is not implemented."""
 
 
+class DrafterMismatchError(CheckpointError):
+    """A drafter checkpoint was trained for a different target (hidden size, vocab, depth)."""
+
+
 class ContextLengthError(EngineError):
     """A prompt does not fit the model's context window."""
 

@@ -13,6 +13,7 @@ _BACKENDS: dict[str, dict[str, Callable]] = {
     "reference": {
         "paged_attention": reference.paged_attention,
         "store_kv": reference.store_kv,
+        "draft_attention": reference.draft_attention,
     },
 }
 _choice = "auto"
@@ -46,3 +47,9 @@ def paged_attention(q, k_cache, v_cache, gather, q_index, out_index, mask, scale
 
 def store_kv(k_cache, v_cache, slots, k, v):
     return _pick("store_kv", k.device.type)(k_cache, v_cache, slots, k, v)
+
+
+def draft_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, scale, causal, window):
+    return _pick("draft_attention", q.device.type)(
+        q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, scale, causal, window
+    )

@@ -1,7 +1,8 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints written to temporary directories."""
+"""Shared fixtures: tiny random Hugging Face checkpoints and DFlash drafters in temporary dirs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -56,5 +57,125 @@ def hf_checkpoint(tmp_path):
     def make(family: str = "qwen3", seed: int = 0, name: str = "model", **overrides: Any):
         model = make_hf_model(family, seed=seed, **overrides)
         return save_hf_model(model, tmp_path / name), model
+
+    return make
+
+
+def _target_fields(target_config: Any) -> dict[str, Any]:
+    """Shape fields of a target given as an HF config dict, a transformers config or ModelConfig."""
+    if hasattr(target_config, "rope"):  # our ModelConfig
+        c = target_config
+        names = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps",
+                 "max_position_embeddings")
+        return {**{n: getattr(c, n) for n in names}, "rope_theta": c.rope.theta}
+    cfg = dict(target_config.to_dict() if hasattr(target_config, "to_dict") else target_config)
+    heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    return dict(
+        hidden_size=cfg["hidden_size"],
+        vocab_size=cfg["vocab_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+    )
+
+
+def make_dflash_checkpoint(
+    path: Path,
+    target_config: Any,
+    num_layers: int = 2,
+    block_size: int = 4,
+    mask_token_id: int | None = None,
+    target_layer_ids: list[int] | None = None,
+    seed: int = 0,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a random DFlash drafter for `target_config` in the published format.
+
+    config.json is what z-lab publishes (architectures ["DFlashDraftModel"], model_type qwen3,
+    block_size, num_target_layers, dflash_config {mask_token_id, target_layer_ids}); the drafter
+    copies the target's layer shapes. Defaults: mask_token_id = vocab - 1, target_layer_ids =
+    every target layer. `overrides` replace top-level config fields (the weights follow them);
+    `dflash_config={...}` is merged into dflash_config. Weights are float32, norms perturbed.
+    """
+    from safetensors.torch import save_file
+
+    t = _target_fields(target_config)
+    vocab, depth = t["vocab_size"], t["num_hidden_layers"]
+    dflash = {
+        "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id,
+        "target_layer_ids": list(range(depth)) if target_layer_ids is None else target_layer_ids,
+        **overrides.pop("dflash_config", {}),
+    }
+    cfg: dict[str, Any] = {
+        **{k: v for k, v in t.items() if k != "num_hidden_layers"},
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": block_size,
+        "dflash_config": dflash,
+        "dtype": "float32",
+        "hidden_act": "silu",
+        "layer_types": layer_types or ["full_attention"] * num_layers,
+        "max_window_layers": num_layers,
+        "num_hidden_layers": num_layers,
+        "num_target_layers": depth,
+        "rope_scaling": None,
+        "sliding_window": sliding_window,
+        "tie_word_embeddings": False,
+        "use_sliding_window": sliding_window is not None,
+        **overrides,
+    }
+    hidden, head_dim, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    q_rows = cfg["num_attention_heads"] * head_dim
+    kv_rows = cfg["num_key_value_heads"] * head_dim
+    k = len(dflash["target_layer_ids"])
+    g = torch.Generator().manual_seed(seed)
+
+    def linear(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) / cols**0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    tensors = {"fc.weight": linear(hidden, k * hidden), "hidden_norm.weight": norm(hidden),
+               "norm.weight": norm(hidden)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        attn = {"q_proj": (q_rows, hidden), "k_proj": (kv_rows, hidden),
+                "v_proj": (kv_rows, hidden), "o_proj": (hidden, q_rows)}
+        for name, (rows, cols) in attn.items():
+            tensors[f"{p}self_attn.{name}.weight"] = linear(rows, cols)
+            if cfg["attention_bias"]:
+                tensors[f"{p}self_attn.{name}.bias"] = 0.1 * torch.randn(rows, generator=g)
+        tensors[f"{p}self_attn.q_norm.weight"] = norm(head_dim)
+        tensors[f"{p}self_attn.k_norm.weight"] = norm(head_dim)
+        tensors[f"{p}input_layernorm.weight"] = norm(hidden)
+        tensors[f"{p}post_attention_layernorm.weight"] = norm(hidden)
+        tensors[f"{p}mlp.gate_proj.weight"] = linear(inter, hidden)
+        tensors[f"{p}mlp.up_proj.weight"] = linear(inter, hidden)
+        tensors[f"{p}mlp.down_proj.weight"] = linear(hidden, inter)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture
+def dflash_checkpoint(tmp_path):
+    """Factory: dflash_checkpoint(target_config, name="drafter", **kwargs) -> drafter directory
+    (see make_dflash_checkpoint for the keyword arguments)."""
+
+    def make(target_config: Any, name: str = "drafter", **kwargs: Any) -> Path:
+        return make_dflash_checkpoint(tmp_path / name, target_config, **kwargs)
 
     return make

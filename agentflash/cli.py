@@ -1,0 +1,99 @@
+"""The `agentflash` command line: `generate` (and more as the SDK grows)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Sequence
+
+from agentflash.engine.config import CacheConfig
+from agentflash.engine.device import resolve_device, resolve_dtype
+from agentflash.engine.engine import Engine
+from agentflash.engine.errors import EngineError
+from agentflash.engine.models.loader import load_model
+from agentflash.engine.sampler import SamplingParams
+
+from .tokenizer import load_tokenizer
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers: {text!r}")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt with a local model")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs tokenizer files in the model directory)")
+    src.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
+    p.add_argument("--device", default="auto", help="cpu|cuda|auto")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: fits context)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    tokenizer = load_tokenizer(args.model)
+    if args.prompt is not None and tokenizer is None:
+        raise EngineError(f"{args.model} has no tokenizer files: pass --prompt-ids instead")
+    model = load_model(args.model, dtype=dtype, device=device)
+    prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt)
+    need = len(prompt) + args.max_new_tokens
+    pages = args.num_pages or -(-need // args.page_size) + 2
+    detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
+    engine = Engine(model, CacheConfig(args.page_size, pages), detokenize=detok)
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+    )
+    t0 = time.perf_counter()
+    (done,) = engine.generate([prompt], params)
+    elapsed = time.perf_counter() - t0
+    text = tokenizer.decode(done.output_ids) if tokenizer is not None else None
+    if text is not None:
+        for s in args.stop:
+            text = text.split(s, 1)[0]
+    if args.json:
+        print(json.dumps({
+            "output_ids": done.output_ids,
+            "text": text,
+            "prompt_tokens": len(prompt),
+            "finish_reason": done.finish_reason,
+            "elapsed_s": round(elapsed, 4),
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+        }))
+    else:
+        print(text if text is not None else " ".join(map(str, done.output_ids)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentflash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (EngineError, ValueError) as e:
+        print(f"agentflash: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2

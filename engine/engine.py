@@ -1,0 +1,315 @@
+"""The synchronous engine loop: submit / abort / step, one owner thread.
+
+Each `step()` schedules a batch (decode tokens and prefill chunks together), runs one target
+forward, samples, appends tokens, and retires finished sequences: their prompt AND generated
+tokens go into the radix prefix cache, optionally pinned for a live session, so the next turn
+of a conversation prefills only what is new.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence as Seq
+
+import torch
+
+from .config import CacheConfig, SchedulerConfig, SpecConfig
+from .errors import ContextLengthError, KVPoolExhaustedError, RequestError
+from .kv.manager import KVManager, Pin
+from .kv.pool import KVPool
+from .models.dflash import DFlashDraftModel, load_drafter
+from .models.loader import load_model
+from .models.qwen3 import CausalLM
+from .runner import ModelRunner
+from .sampler import SamplingParams, make_generator, sample_row, target_probs
+from .scheduler import BatchItem, Scheduler
+from .sequence import SeqCounters, Sequence, Status
+from .spec import Verdict, greedy_accept, sample_accept
+
+
+@dataclass
+class SeqUpdate:
+    """What happened to one sequence in one step."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: Exception | None = None
+    draft_tokens: int = 0       # proposed by the drafter this step
+    accepted_tokens: int = 0    # of those, accepted by the target
+
+
+@dataclass
+class Completion:
+    """A finished sequence."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    counters: SeqCounters
+    pin: Pin | None = None
+    error: Exception | None = None
+
+
+@dataclass
+class EngineCounters:
+    """Engine-wide totals since start."""
+
+    steps: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_context_tokens: int = 0
+    draft_s: float = 0.0        # drafter forwards
+    target_s: float = 0.0       # target forwards (prefill, decode and verify)
+    step_s: float = 0.0         # whole steps: the rest is scheduling and bookkeeping
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: CacheConfig = CacheConfig(),
+        scheduler: SchedulerConfig = SchedulerConfig(),
+        max_model_len: int | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+        drafter: DFlashDraftModel | None = None,
+        spec: SpecConfig = SpecConfig(),
+    ):
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        self.pool = KVPool(
+            cache.page_size, cache.num_pages,
+            [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers,
+            self.dtype, self.device,
+        )
+        self.kv = KVManager(cache.page_size, cache.num_pages, self.pool)
+        self.scheduler = Scheduler(scheduler, self.kv)
+        self.drafter = drafter
+        self.block_size = 1
+        draft_layers = None
+        if drafter is not None:
+            dcfg = drafter.config
+            self.block_size = spec.block_size or dcfg.block_size
+            SpecConfig(self.block_size)  # validates a checkpoint's own block size too
+            draft_layers = self.pool.add_layers(
+                [(dcfg.num_key_value_heads, dcfg.head_dim)] * dcfg.num_hidden_layers
+            )
+        self.runner = ModelRunner(model, self.pool, self.kv, drafter, draft_layers)
+        self.detokenize = detokenize
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.counters = EngineCounters()
+        self._ids = itertools.count()
+        self._seqs: dict[int, Sequence] = {}
+        self._done: dict[int, Completion] = {}
+
+    @classmethod
+    def from_dir(
+        cls, path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
+        draft: str | Path | None = None, **kwargs,
+    ) -> Engine:
+        model = load_model(path, dtype=dtype, device=device)
+        drafter = load_drafter(draft, model) if draft is not None else None
+        return cls(model, drafter=drafter, **kwargs)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt_ids: Seq[int],
+        params: SamplingParams = SamplingParams(),
+        pin: bool = False,
+        speculative: bool = True,
+        trace: bool = False,
+    ) -> int:
+        """Queue a request; returns its sequence id. Raises on input that can never run.
+
+        speculative=False decodes this request token by token even with a drafter loaded;
+        trace=True records every drafted block in `counters.drafts`."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise RequestError("prompt is empty")
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ContextLengthError(
+                f"prompt has {len(prompt)} tokens; the context holds {self.max_model_len} "
+                "(prompt + at least one generated token)"
+            )
+        if params.stop and self.detokenize is None:
+            raise RequestError("stop strings need a tokenizer; this engine has none")
+        seq = Sequence(next(self._ids), prompt, params, self.max_model_len, pin=pin,
+                       block_size=self.block_size if speculative else 1)
+        if trace:
+            seq.counters.drafts = []
+        needed = -(-seq.budget // self.kv.page_size) + 1
+        if needed > self.kv.max_reservable() + len(prompt) // self.kv.page_size:
+            # even with its longest possible prefix hit and every unpinned page evicted
+            raise KVPoolExhaustedError(
+                f"request needs up to {needed} KV pages but only {self.kv.max_reservable()} can "
+                "ever be freed; pinned sessions hold the rest (close agents or enlarge the pool)"
+            )
+        if not params.greedy:
+            seq.generator = make_generator(params.seed, self.device)
+        self._seqs[seq.id] = seq
+        self.scheduler.add(seq)
+        return seq.id
+
+    def abort(self, seq_id: int) -> None:
+        """Stop a sequence now; what it computed stays cached (unpinned)."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.status is not Status.FINISHED:
+            seq.finish_reason = "abort"
+            self._finish(seq)
+
+    def result(self, seq_id: int) -> Completion | None:
+        """The completion of a finished sequence (removed once read)."""
+        return self._done.pop(seq_id, None)
+
+    def unpin(self, pin: Pin) -> None:
+        self.kv.unpin(pin)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> dict[str, int]:
+        return {**self.kv.stats(), "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting)}
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[SeqUpdate]:
+        t_step = time.perf_counter()
+        items, failed = self.scheduler.schedule()
+        updates = [self._finish(seq) for seq in failed]
+        if not items:
+            return updates
+        verify = [item for item in items if item.verifies]
+        if verify:
+            t0 = time.perf_counter()
+            drafts = self.runner.draft(verify, self.block_size).tolist()
+            self.counters.draft_s += time.perf_counter() - t0
+            self.counters.draft_forwards += 1
+            for item, proposal in zip(verify, drafts):
+                item.draft = proposal[: item.num_tokens - 1]
+        t0 = time.perf_counter()
+        out = self.runner.forward(items)
+        self.counters.target_s += time.perf_counter() - t0
+        self.counters.steps += 1
+        self.counters.target_forwards += 1
+        if self.drafter is not None:
+            self.counters.draft_context_tokens += sum(item.num_tokens for item in items)
+        argmax = out.logits.argmax(-1).tolist()
+        for item, (row, count) in zip(items, out.rows):
+            self._count(item)
+            if count:
+                updates.append(self._commit(item, out.logits[row:row + count],
+                                            argmax[row:row + count]))
+        self.counters.step_s += time.perf_counter() - t_step
+        return updates
+
+    def _count(self, item: BatchItem) -> None:
+        seq, c, n = item.seq, item.seq.counters, item.num_tokens
+        c.target_forwards += 1
+        if self.drafter is not None:
+            c.draft_context_tokens += n
+        if item.start < len(seq.prompt_ids):
+            c.prefill_tokens += n
+            self.counters.prefill_tokens += n
+        else:
+            c.decode_tokens += n
+            self.counters.decode_tokens += n
+
+    def _commit(self, item: BatchItem, logits: torch.Tensor, argmax: list[int]) -> SeqUpdate:
+        """Turn the target's rows for one item into committed tokens."""
+        seq = item.seq
+        params = seq.params
+        draft = item.draft or []
+        if item.verifies:
+            if params.greedy:
+                verdict = greedy_accept(draft, argmax)
+            else:
+                verdict = sample_accept(draft, target_probs(logits, params), seq.generator)
+        else:
+            token = argmax[0] if params.greedy else sample_row(logits[0], params, seq.generator)
+            verdict = Verdict(0, token)
+        kept = seq.append(draft[: verdict.accepted] + [verdict.bonus], self.eos_ids,
+                          self.detokenize)
+        # KV stays valid for the anchor and accepted drafts only (and never past the last token)
+        self.kv.truncate(seq.kv, min(seq.kv.length, seq.num_tokens - 1))
+        update = SeqUpdate(seq.id, seq.output_ids[len(seq.output_ids) - kept:])
+        if item.verifies:
+            c = seq.counters
+            c.draft_forwards += 1
+            c.draft_tokens += len(draft)
+            c.accepted_tokens += verdict.accepted
+            c.acceptance_lengths.append(kept)
+            if len(c.accepted_per_position) < self.block_size - 1:
+                c.accepted_per_position.extend([0] * (self.block_size - 1))
+            for k in range(verdict.accepted):
+                c.accepted_per_position[k] += 1
+            if c.drafts is not None:
+                c.drafts.append(list(draft))
+            update.draft_tokens, update.accepted_tokens = len(draft), verdict.accepted
+            self.counters.draft_tokens += len(draft)
+            self.counters.accepted_tokens += verdict.accepted
+        if seq.finish_reason is not None:
+            update = self._finish(seq, update)
+        return update
+
+    def _finish(self, seq: Sequence, update: SeqUpdate | None = None) -> SeqUpdate:
+        pin = None
+        if seq.kv is not None:
+            self.kv.cache(seq.kv, seq.tokens)
+            if seq.pin and seq.error is None:
+                pin = self.kv.pin(seq.kv)
+            self.kv.release(seq.kv)
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        self.counters.cached_tokens += seq.counters.cached_tokens
+        del self._seqs[seq.id]
+        self._done[seq.id] = Completion(
+            seq.id, seq.prompt_ids, seq.output_ids, seq.finish_reason or "abort", seq.counters,
+            pin, seq.error,
+        )
+        update = update or SeqUpdate(seq.id, [])
+        update.finished, update.finish_reason, update.error = True, seq.finish_reason, seq.error
+        return update
+
+    # ---- convenience ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Iterable[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
+        **submit_kwargs,
+    ) -> list[Completion]:
+        """Run prompts to completion (batched together); raises the first request's error.
+        Keyword arguments go to `submit` (pin, speculative, trace)."""
+        prompts = list(prompts)
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [self.submit(p, sp, **submit_kwargs) for p, sp in zip(prompts, plist)]
+        pending = set(ids)
+        while pending:
+            pending -= {u.seq_id for u in self.step() if u.finished}
+        results = [self.result(i) for i in ids]
+        for r in results:
+            if r.error is not None:
+                raise r.error
+        return results

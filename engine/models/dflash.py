@@ -1,0 +1,168 @@
+"""The DFlash drafter: a small block-diffusion transformer that reads the target's hidden states.
+
+One draft step for N sequences (spec: shared/specs/dflash.md), tokens flattened as N blocks of B:
+1. `context_features(captured)` fuses the target's captured hidden states of newly committed
+   positions into ctx [T, H]; `context_kv(layer, ctx, positions)` is each layer's K/V of them.
+   Context rows never get queries, so the engine caches that K/V per drafter layer (the
+   drafter's warm state); context key j of a sequence sits at position j.
+2. `embed_block(target, block_input_ids(anchors))` embeds [anchor, MASK x (B-1)] with the
+   target's embedding, times `input_embedding_scale`; the block starts at the anchor's position.
+3. `forward(h, positions, attn)` runs the layers over the N*B block tokens: `attn.attend(layer,
+   q, k, v)` receives the block's own q/k/v and attends over the cached context plus the block
+   (kernel `draft_attention`, mode from `layer_kind(layer)`). Block K/V are never cached.
+4. `logits(target, hidden)` on block rows 1..B-1: row k predicts the token at start + k.
+
+The layers are the target's Qwen3 `DecoderLayer` (pre-norm, q/k RMSNorm, RoPE): a block token's
+computation is exactly a target layer's. Parameter names are the checkpoint's (no `model.`
+prefix) except the fused `qkv_proj` and `gate_up_proj`, which the loader concatenates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend
+from ..config import read_config_json
+from ..errors import CheckpointError
+from .dflash_config import DFlashConfig, check_compatible, default_target_layer_ids
+from .layers import RMSNorm
+from .loader import DTYPES, assemble_state, read_safetensors_dir, unfused_sources
+from .qwen3 import CausalLM, DecoderLayer
+from .rope import RotaryEmbedding, apply_rope
+
+__all__ = [
+    "DFlashConfig", "DFlashDraftModel", "LayerKind", "check_compatible",
+    "default_target_layer_ids", "load_drafter",
+]
+
+
+class LayerKind(NamedTuple):
+    """How a drafter layer's block queries see keys (see kernels.reference.draft_attention)."""
+
+    causal: bool          # block keys only up to the query's own position
+    window: int | None    # keys only within this distance of the query (None: all)
+
+
+class DFlashDraftModel(nn.Module):
+    """Drafter layers plus `fc`/`hidden_norm` (context fusion) and `norm`; no embedding, no head."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.attention_scale = config.head_dim**-0.5
+        self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        decoder = config.decoder
+        self.layers = nn.ModuleList(
+            DecoderLayer(decoder, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        # As the reference: sliding layers are causal in the block unless is_causal says otherwise.
+        self._kinds = tuple(
+            LayerKind(
+                t == "sliding_attention" if config.is_causal is None else config.is_causal,
+                config.sliding_window if t == "sliding_attention" else None,
+            )
+            for t in config.layer_types
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        return self._kinds[layer]
+
+    def block_input_ids(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[N, B] blocks `[anchor, MASK x (B-1)]` for the anchors [N] (last committed tokens)."""
+        shape = (anchors.shape[0], self.config.block_size)
+        ids = anchors.new_full(shape, self.config.mask_token_id)
+        ids[:, 0] = anchors
+        return ids
+
+    def embed_block(self, target: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+        """The drafter's input for block token ids: target embedding x input_embedding_scale."""
+        h = target.embed(ids)
+        scale = self.config.input_embedding_scale
+        return h if scale == 1.0 else h * scale
+
+    def context_features(self, captured: torch.Tensor) -> torch.Tensor:
+        """ctx [T, H] from the target's residual stream after each target layer [T, K*H]."""
+        return self.hidden_norm(self.fc(captured))
+
+    def context_kv(
+        self, layer: int, ctx: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys (k_norm, RoPE at `positions` [T]) and values [T, Hkv, D] of ctx."""
+        attn = self.layers[layer].self_attn
+        q_size, kv_size, _ = attn.split_sizes
+        weight, bias = attn.qkv_proj.weight, attn.qkv_proj.bias
+        kv = F.linear(ctx, weight[q_size:], None if bias is None else bias[q_size:])
+        k, v = kv.split(kv_size, dim=-1)
+        n = ctx.shape[0]
+        k = k.view(n, attn.num_kv_heads, attn.head_dim)
+        v = v.view(n, attn.num_kv_heads, attn.head_dim)
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        return apply_rope(attn.k_norm(k), cos, sin), v
+
+    def forward(
+        self, block_hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """Hidden states [N*B, H] after the final norm, from the embedded blocks [N*B, H] at
+        their absolute `positions` [N*B] (below `config.max_position_embeddings`)."""
+        h = block_hidden
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn)
+        return self.norm(h)
+
+    def logits(self, target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 draft logits: the target's head, then output_multiplier and the softcap."""
+        logits = target.logits(hidden)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def load_drafter(
+    path: str | Path,
+    target: CausalLM,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> DFlashDraftModel:
+    """Load the drafter checkpoint at `path` for `target` (dtype/device default to the target's).
+    Raises DrafterMismatchError if it was made for another target, CheckpointError if broken."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"drafter directory {root} does not exist")
+    config = DFlashConfig.from_hf(read_config_json(root))
+    check_compatible(config, target.config)
+    dtype = target.dtype if dtype is None else dtype
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype {dtype} is not supported (supported: {sorted(DTYPES)})")
+    device = target.device if device is None else torch.device(device)
+    tensors = read_safetensors_dir(root)
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    sources = {
+        key: unfused_sources(key, tuple(p.shape), config.decoder)
+        for key, p in model.state_dict().items()
+    }
+    ids = list(config.target_layer_ids)
+    why = {"fc.weight": f"hidden_size x {len(ids)} target_layer_ids {ids} * hidden_size"}
+    state = assemble_state(sources, tensors, dtype, device, root, "a DFlash drafter", why=why)
+    model.load_state_dict(state, assign=True)
+    model.rotary.build(device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,141 @@
+"""The target model: Qwen3 and Llama decoder-only transformers in plain torch.
+
+Qwen3 is Llama plus a per-head RMSNorm on q and k before RoPE (`ModelConfig.qk_norm`). Tokens are
+flattened (no batch dimension): a forward takes T tokens of any number of sequences laid end to
+end, their absolute positions, and an `AttentionBackend` that knows which keys each query sees.
+
+Parameter names mirror Hugging Face's without the `model.` prefix, except that q/k/v and gate/up
+projections are fused (`self_attn.qkv_proj`, `mlp.gate_up_proj`); the loader concatenates them.
+Build on the `meta` device and load with `load_state_dict(..., assign=True)`, then call
+`rotary.build(device)` (the loader does all of this).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend
+from ..config import ModelConfig
+from .layers import GatedMLP, RMSNorm
+from .rope import RotaryEmbedding, apply_rope
+
+
+class ModelOutput(NamedTuple):
+    hidden: torch.Tensor             # [T, H] after the final norm
+    captured: torch.Tensor | None    # [T, len(capture) * H] residual stream after the layers asked
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        bias = config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
+        # Qwen3 normalises each head of q and k before RoPE; Llama does not.
+        self.q_norm: nn.Module = nn.Identity()
+        self.k_norm: nn.Module = nn.Identity()
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        out = attn.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM on flattened tokens: `forward` ends at the final norm, `logits` projects."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.attention_scale = config.head_dim**-0.5
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Tied checkpoints have no lm_head: `logits` multiplies by the embedding matrix instead,
+        # so nothing needs re-tying after `load_state_dict(assign=True)`.
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [..., vocab] (the matmul runs in the model dtype, as in HF)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        capture: Sequence[int] = (),
+    ) -> ModelOutput:
+        """Run T tokens (`input_ids`, `positions` [T]) through every layer.
+
+        `captured` concatenates, in the order given, the residual stream after decoder layer l
+        for each l in `capture`: HF's `output_hidden_states[l + 1]`, except for the last layer,
+        where it is the state *before* the final norm (HF reports the normed one there).
+        Positions must be below `config.max_position_embeddings`.
+        """
+        num_layers = len(self.layers)
+        if any(not 0 <= layer < num_layers for layer in capture):
+            raise ValueError(f"capture layers {list(capture)} outside [0, {num_layers})")
+        wanted = set(capture)
+        saved: dict[int, torch.Tensor] = {}
+        h = self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, attn)
+            if i in wanted:
+                saved[i] = h  # layers never write in place, so a reference is enough
+        captured = torch.cat([saved[layer] for layer in capture], dim=-1) if capture else None
+        return ModelOutput(self.norm(h), captured)

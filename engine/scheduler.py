@@ -1,0 +1,119 @@
+"""Picks each engine step's batch: decode tokens first, then chunks of pending prefills.
+
+Admission is by KV reservation: a sequence enters the running set only once the pages for its
+whole budget (prompt + max_new_tokens, capped by the context) are promised, so a running
+sequence never runs out of KV mid-generation and nothing needs preempting. A request that could
+not fit even with every unpinned page evicted fails with KVPoolExhaustedError instead of waiting.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .config import SchedulerConfig
+from .errors import KVPoolExhaustedError
+from .kv.manager import KVManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class BatchItem:
+    """`num_tokens` new tokens of `seq` go through this forward (from position `start`).
+
+    A verify item (num_tokens > 1 on a sequence past its prompt) feeds the sequence's last token
+    (the anchor) followed by `draft`, the drafter's proposals, which the engine fills in.
+    Everything is fixed when the item is made, before the forward moves the sequence on."""
+
+    seq: Sequence
+    num_tokens: int
+    draft: list[int] | None = None
+    start: int = field(init=False)
+    verifies: bool = field(init=False)
+    samples: bool = field(init=False)   # yields the sequence's next token(s)
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.computed
+        self.verifies = not self.seq.prefilling and self.num_tokens > 1
+        self.samples = self.verifies or self.start + self.num_tokens == self.seq.num_tokens
+
+    def token_ids(self) -> list[int]:
+        if self.verifies:
+            assert self.draft is not None and len(self.draft) == self.num_tokens - 1
+            return [self.seq.tokens[self.start], *self.draft]
+        return self.seq.tokens[self.start:self.start + self.num_tokens]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[BatchItem], list[Sequence]]:
+        """Returns (this step's batch, sequences that failed admission with an error)."""
+        budget = self.config.max_batch_tokens
+        items: list[BatchItem] = []
+        decoding = [s for s in self.running if not s.prefilling]
+        prefilling = [s for s in self.running if s.prefilling]
+        for seq in decoding:
+            if budget <= 0:
+                break
+            # a speculative sequence verifies anchor + drafts, never past its KV reservation
+            n = max(1, min(seq.block_size, seq.budget - seq.computed, budget))
+            items.append(BatchItem(seq, n))
+            budget -= n
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            n = min(len(seq.prompt_ids) - seq.computed, budget)
+            items.append(BatchItem(seq, n))
+            budget -= n
+        failed: list[Sequence] = []
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            admitted, error = self._admit(seq)
+            if error is not None:
+                self.waiting.popleft()
+                seq.error, seq.finish_reason, seq.status = error, "error", Status.FINISHED
+                failed.append(seq)
+                continue
+            if not admitted:
+                break  # first come, first served: wait for pages to free up
+            self.waiting.popleft()
+            self.running.append(seq)
+            n = min(len(seq.prompt_ids) - seq.computed, budget)
+            items.append(BatchItem(seq, n))
+            budget -= n
+        return items, failed
+
+    def _admit(self, seq: Sequence) -> tuple[bool, Exception | None]:
+        kv = self.kv.begin(seq.prompt_ids, max_cached=len(seq.prompt_ids) - 1)
+        if self.kv.reserve(kv, seq.budget):
+            seq.kv = kv
+            seq.status = Status.RUNNING
+            seq.counters.cached_tokens = kv.length
+            return True, None
+        page = self.kv.page_size
+        needed = -(-seq.budget // page) - kv.length // page + 1
+        self.kv.release(kv)
+        if needed > self.kv.max_reservable():
+            return False, KVPoolExhaustedError(
+                f"request needs {needed} KV pages ({seq.budget} tokens) but at most "
+                f"{self.kv.max_reservable()} of {self.kv.stats()['pages_total']} can be freed; "
+                "pinned sessions hold the rest (close agents or enlarge the pool)"
+            )
+        return False, None

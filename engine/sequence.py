@@ -1,0 +1,102 @@
+"""Per-sequence state: tokens, KV handle, sampling state, stop checks and counters."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .kv.manager import SeqKV
+from .sampler import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SeqCounters:
+    """What the engine did for one sequence (the accounting layer reads these)."""
+
+    cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    prefill_tokens: int = 0           # prompt tokens computed
+    decode_tokens: int = 0            # tokens fed to the target after the prompt
+    target_forwards: int = 0          # forwards this sequence took part in
+    draft_forwards: int = 0           # drafter forwards (one per drafted block)
+    draft_tokens: int = 0             # tokens proposed
+    accepted_tokens: int = 0          # proposals the target accepted
+    draft_context_tokens: int = 0     # positions whose drafter context K/V was computed
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per verify
+    accepted_per_position: list[int] = field(default_factory=list)  # index k: draft k accepted
+    drafts: list[list[int]] | None = None  # proposals per step, when tracing
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request moving through the engine: prompt, generated tokens and its KV handle."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_len: int                      # context limit for prompt + output
+    pin: bool = False                 # keep the finished sequence's KV pinned (live sessions)
+    block_size: int = 1               # > 1: speculative (anchor + block_size-1 drafts per step)
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    kv: SeqKV | None = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: Exception | None = None
+    counters: SeqCounters = field(default_factory=SeqCounters)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def computed(self) -> int:
+        """Tokens whose KV is written."""
+        return self.kv.length if self.kv is not None else 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt_ids)
+
+    @property
+    def budget(self) -> int:
+        """Upper bound on this sequence's total length (what its KV reservation covers)."""
+        return min(self.max_len, len(self.prompt_ids) + self.params.max_new_tokens)
+
+    def append(
+        self, tokens: list[int], eos_ids: frozenset[int], detokenize: Callable[[list[int]], str] | None
+    ) -> int:
+        """Append generated tokens one by one, stopping at the first stop condition.
+
+        Returns how many were kept (tokens after a stop are dropped)."""
+        params = self.params
+        for n, tok in enumerate(tokens, 1):
+            self.output_ids.append(tok)
+            if tok in params.stop_token_ids or (not params.ignore_eos and tok in eos_ids):
+                self.finish_reason = "stop"
+            elif params.stop and detokenize is not None and self._hit_stop_string(detokenize):
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= params.max_new_tokens or self.num_tokens >= self.max_len:
+                self.finish_reason = "length"
+            if self.finish_reason is not None:
+                return n
+        return len(tokens)
+
+    def _hit_stop_string(self, detokenize: Callable[[list[int]], str]) -> bool:
+        # Only the tail can contain a stop string completed by the newest token.
+        longest = max(len(s) for s in self.params.stop)
+        # (an earlier occurrence would already have stopped the sequence)
+        tail = detokenize(self.output_ids[-(longest + 8):])
+        return any(s in tail for s in self.params.stop)

@@ -1,0 +1,50 @@
+"""The `agentflash generate` command: JSON output, ids-only checkpoints, typed errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from agentflash.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agentflash", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_json_with_prompt_ids_matches_transformers(hf_checkpoint):
+    path, hf = hf_checkpoint("qwen3", bos_token_id=None, eos_token_id=None)
+    proc = run_cli("generate", "--model", str(path), "--prompt-ids", "5,6,7,8",
+                   "--max-new-tokens", "6", "--dtype", "float32", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["text"] is None  # the directory has no tokenizer
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                      min_new_tokens=6, do_sample=False, pad_token_id=0)[0, 4:].tolist()
+    assert out["output_ids"] == ref
+
+
+def test_seeded_sampling_is_reproducible(hf_checkpoint, capsys):
+    path, _ = hf_checkpoint("llama")
+    args = ["generate", "--model", str(path), "--prompt-ids", "1,2,3", "--temperature", "0.9",
+            "--top-p", "0.95", "--top-k", "20", "--seed", "11", "--max-new-tokens", "8", "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)["output_ids"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["output_ids"] == first
+
+
+def test_errors_are_clear(hf_checkpoint, tmp_path, capsys):
+    path, _ = hf_checkpoint("qwen3")
+    assert main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
+    assert "no tokenizer files" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt-ids", "1"]) == 2
+    assert "CheckpointError" in capsys.readouterr().err
+    too_long = ",".join(["1"] * 600)  # the tiny config holds 512 positions
+    assert main(["generate", "--model", str(path), "--prompt-ids", too_long]) == 2
+    assert "ContextLengthError" in capsys.readouterr().err

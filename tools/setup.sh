@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One-step set-up on a fresh machine: a virtual environment in .venv with agentflash (editable)
+# and its test dependencies. CPU machines get the CPU build of torch (an unpinned torch pulls a
+# multi-GB CUDA build); on a GPU machine set AGENTFLASH_TORCH to the torch you want, e.g.
+#   AGENTFLASH_TORCH="torch" bash tools/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q "${AGENTFLASH_TORCH:-torch==2.13.0}"
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -c "import agentflash.engine.engine, torch; print('agentflash ready: torch', torch.__version__)"
