@@ -8,10 +8,11 @@ import sys
 import time
 from typing import Sequence
 
-from agentflash.engine.config import CacheConfig
+from agentflash.engine.config import CacheConfig, SpecConfig
 from agentflash.engine.device import resolve_device, resolve_dtype
 from agentflash.engine.engine import Engine
 from agentflash.engine.errors import EngineError
+from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
 
@@ -41,6 +42,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="cpu|cuda|auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: fits context)")
+    p.add_argument("--draft", help="DFlash drafter checkpoint directory (speculative decoding)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="speculative block size 2..16 (default: the drafter's)")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding even with --draft")
+    p.add_argument("--trace", action="store_true", help="with --json: list every drafted block")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_generate)
 
@@ -52,32 +58,49 @@ def _generate(args: argparse.Namespace) -> int:
     if args.prompt is not None and tokenizer is None:
         raise EngineError(f"{args.model} has no tokenizer files: pass --prompt-ids instead")
     model = load_model(args.model, dtype=dtype, device=device)
+    drafter = None
+    if args.draft and not args.no_draft:
+        drafter = load_drafter(args.draft, model)
     prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt)
     need = len(prompt) + args.max_new_tokens
     pages = args.num_pages or -(-need // args.page_size) + 2
     detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
-    engine = Engine(model, CacheConfig(args.page_size, pages), detokenize=detok)
+    engine = Engine(model, CacheConfig(args.page_size, pages), detokenize=detok, drafter=drafter,
+                    spec=SpecConfig(args.block_size))
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
     )
     t0 = time.perf_counter()
-    (done,) = engine.generate([prompt], params)
+    (done,) = engine.generate([prompt], params, trace=args.trace)
     elapsed = time.perf_counter() - t0
     text = tokenizer.decode(done.output_ids) if tokenizer is not None else None
     if text is not None:
         for s in args.stop:
             text = text.split(s, 1)[0]
     if args.json:
-        print(json.dumps({
+        record = {
             "output_ids": done.output_ids,
             "text": text,
             "prompt_tokens": len(prompt),
             "finish_reason": done.finish_reason,
             "elapsed_s": round(elapsed, 4),
+            "tokens_per_s": round(len(done.output_ids) / elapsed, 2),
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
-        }))
+        }
+        if drafter is not None:
+            c = done.counters
+            record |= {
+                "block_size": engine.block_size,
+                "acceptance_lengths": c.acceptance_lengths,
+                "mean_acceptance_length": round(
+                    sum(c.acceptance_lengths) / max(1, len(c.acceptance_lengths)), 3),
+                "accepted_per_position": c.accepted_per_position,
+            }
+            if args.trace:
+                record["drafts"] = c.drafts
+        print(json.dumps(record))
     else:
         print(text if text is not None else " ".join(map(str, done.output_ids)))
     return 0

@@ -48,3 +48,25 @@ def test_errors_are_clear(hf_checkpoint, tmp_path, capsys):
     too_long = ",".join(["1"] * 600)  # the tiny config holds 512 positions
     assert main(["generate", "--model", str(path), "--prompt-ids", too_long]) == 2
     assert "ContextLengthError" in capsys.readouterr().err
+
+
+def test_generate_with_draft_reports_acceptance_and_trace(tmp_path):
+    from conftest import make_dflash_checkpoint, make_hf_model
+
+    hf = make_hf_model("qwen3", vocab_size=16, bos_token_id=None, eos_token_id=None)
+    hf.save_pretrained(tmp_path / "t")
+    make_dflash_checkpoint(tmp_path / "d", hf.config, block_size=4)
+    common = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "1,2,3,4,5",
+              "--max-new-tokens", "20", "--json"]
+    plain = run_cli(*common)
+    spec = run_cli(*common, "--draft", str(tmp_path / "d"), "--trace")
+    forced_plain = run_cli(*common, "--draft", str(tmp_path / "d"), "--no-draft")
+    assert plain.returncode == spec.returncode == forced_plain.returncode == 0, spec.stderr
+    p, s, f = (json.loads(x.stdout) for x in (plain, spec, forced_plain))
+    assert s["output_ids"] == p["output_ids"] == f["output_ids"]
+    assert sum(s["acceptance_lengths"]) == len(s["output_ids"]) - 1
+    assert len(s["drafts"]) == len(s["acceptance_lengths"])
+    assert all(1 <= len(d) <= 3 for d in s["drafts"]) and len(s["drafts"][0]) == 3
+    assert "acceptance_lengths" not in f
+    bad = run_cli(*common, "--draft", str(tmp_path / "d"), "--block-size", "40")
+    assert bad.returncode == 2 and "block_size" in bad.stderr

@@ -1,0 +1,202 @@
+"""DFlash speculative decoding in the engine: lossless greedy output, exact sampling
+distribution, warm drafter state across turns, counters, and clear errors."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from agentflash.engine.attention import DenseCausal
+from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig
+from agentflash.engine.engine import Engine
+from agentflash.engine.errors import DrafterMismatchError
+from agentflash.engine.models.dflash import load_drafter
+from agentflash.engine.models.loader import load_model
+from agentflash.engine.sampler import SamplingParams, target_probs
+from conftest import make_dflash_checkpoint, make_hf_model
+
+
+def build(tmp_path, vocab: int = 16, draft_layers: int = 2, seed: int = 0, **drafter_kw):
+    hf = make_hf_model("qwen3", seed=seed, vocab_size=vocab, bos_token_id=None,
+                       eos_token_id=None)
+    hf.save_pretrained(tmp_path / "target")
+    model = load_model(tmp_path / "target")
+    make_dflash_checkpoint(tmp_path / "draft", hf.config, num_layers=draft_layers, seed=seed,
+                           **drafter_kw)
+    return model, load_drafter(tmp_path / "draft", model)
+
+
+def prompts_for(n: int, vocab: int, seed: int, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("spec"))
+
+
+def test_greedy_speculative_equals_plain_over_many_prompts(pair):
+    model, drafter = pair
+    params = SamplingParams(max_new_tokens=24)
+    total = 0
+    for block in (2, 3, 4, 6, 8, 11, 16):
+        for batch in (1, 3, 8):
+            prompts = prompts_for(batch * 3, 16, seed=block * 100 + batch)
+            plain = Engine(model, CacheConfig(4, 512)).generate(prompts, params)
+            spec = Engine(model, CacheConfig(4, 512), SchedulerConfig(max_running=batch),
+                          drafter=drafter, spec=SpecConfig(block)).generate(prompts, params)
+            assert [c.output_ids for c in spec] == [c.output_ids for c in plain], (block, batch)
+            for c in spec:
+                assert sum(c.counters.acceptance_lengths) == len(c.output_ids) - 1
+                # full blocks, except where the budget's end leaves room for fewer drafts
+                n = c.counters.draft_forwards
+                assert n <= c.counters.draft_tokens <= (block - 1) * n
+            total += len(prompts)
+    assert total >= 200
+
+
+def test_greedy_equality_with_chunked_prefill_sliding_drafter_and_stops(tmp_path):
+    model, drafter = build(tmp_path, layer_types=["sliding_attention", "full_attention"],
+                           sliding_window=5, seed=1)
+    prompts = prompts_for(12, 16, seed=7, hi=50)
+    stops = SamplingParams(max_new_tokens=30, stop_token_ids=(3,))
+    plain = Engine(model, CacheConfig(4, 512)).generate(prompts, stops)
+    spec = Engine(model, CacheConfig(4, 512), SchedulerConfig(max_batch_tokens=13),
+                  drafter=drafter, spec=SpecConfig(8)).generate(prompts, stops)
+    assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+    assert [c.finish_reason for c in spec] == [c.finish_reason for c in plain]
+
+
+def test_acceptance_happens_and_per_position_counts_are_consistent(pair):
+    model, drafter = pair
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4))
+    done = engine.generate(prompts_for(16, 16, seed=3), SamplingParams(max_new_tokens=40),
+                           trace=True)
+    accepted = sum(c.counters.accepted_tokens for c in done)
+    assert accepted > 0  # a random 16-token drafter still guesses right sometimes
+    for c in done:
+        per_pos = c.counters.accepted_per_position
+        assert sum(per_pos) == c.counters.accepted_tokens
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a prefix is accepted
+        assert len(c.counters.drafts) == c.counters.draft_forwards
+        assert c.counters.drafts[0] and all(1 <= len(d) <= 3 for d in c.counters.drafts)
+        assert sum(map(len, c.counters.drafts)) == c.counters.draft_tokens
+    assert engine.counters.accepted_tokens == accepted
+    assert engine.stats()["pages_referenced"] == 0
+    engine.kv.check_integrity()
+
+
+def test_speculation_can_be_turned_off_per_request(pair):
+    model, drafter = pair
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter)
+    prompts = prompts_for(4, 16, seed=4)
+    on, off = engine.generate(prompts[:2], SamplingParams(max_new_tokens=12)), \
+        engine.generate(prompts[2:], SamplingParams(max_new_tokens=12), speculative=False)
+    assert all(c.counters.draft_forwards > 0 for c in on)
+    assert all(c.counters.draft_forwards == 0 for c in off)
+    assert all(c.counters.acceptance_lengths == [] for c in off)
+
+
+def test_warm_drafter_state_across_turns(pair):
+    """Turn 2 (after a tool result) drafts from cached context: only new positions computed."""
+    model, drafter = pair
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4))
+    turn1 = prompts_for(1, 16, seed=5, hi=30)[0]
+    (c1,) = engine.generate([turn1], SamplingParams(max_new_tokens=10), pin=True)
+    tool_result = [1, 2, 3, 4, 5, 6]
+    turn2 = turn1 + c1.output_ids + tool_result
+    seq = engine.submit(turn2, SamplingParams(max_new_tokens=10), pin=True)
+    engine.unpin(c1.pin)  # the new turn holds the prefix now
+    while not engine.step():
+        pass  # until the prompt is prefilled and the first token sampled
+    counters = engine._seqs[seq].counters
+    new_positions = len(turn2) - (len(turn1) + len(c1.output_ids) - 1)
+    assert counters.cached_tokens == len(turn2) - new_positions
+    assert counters.prefill_tokens == new_positions
+    assert counters.draft_context_tokens == new_positions
+    while engine.has_work():
+        engine.step()
+    c2 = engine.result(seq)
+    assert c2.counters.draft_forwards > 0
+    plain = Engine(model, CacheConfig(4, 512)).generate([turn2],
+                                                        SamplingParams(max_new_tokens=10))
+    assert c2.output_ids == plain[0].output_ids
+
+
+def exact_joint(model, prompt: list[int], params: SamplingParams, n: int) -> dict[tuple, float]:
+    """P(first n generated tokens) by enumeration with the target alone."""
+    dist = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, p in dist.items():
+            ids = prompt + list(prefix)
+            with torch.no_grad():
+                out = model(torch.tensor(ids), torch.arange(len(ids)),
+                            DenseCausal([len(ids)], model.attention_scale))
+                probs = target_probs(model.logits(out.hidden[-1]), params)
+            for tok, q in enumerate(probs.tolist()):
+                if q > 0:
+                    nxt[prefix + (tok,)] = p * q
+        dist = nxt
+    return dist
+
+
+def chi_square_pvalue(counts: Counter, expected: dict[tuple, float], total: int) -> float:
+    stat, df, other_obs, other_exp = 0.0, -1, 0, 0.0
+    for key, p in expected.items():
+        e = p * total
+        if e < 5:
+            other_obs, other_exp = other_obs + counts.get(key, 0), other_exp + e
+            continue
+        stat += (counts.get(key, 0) - e) ** 2 / e
+        df += 1
+    if other_exp > 0:
+        stat += (other_obs - other_exp) ** 2 / other_exp
+        df += 1
+    unexpected = sum(v for k, v in counts.items() if k not in expected)
+    assert unexpected == 0, "sampled a token the distribution excludes"
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_new_tokens=3),
+    SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=3),
+    SamplingParams(temperature=1.5, top_k=3, max_new_tokens=3),
+])
+def test_speculative_sampling_matches_target_distribution(tmp_path, params):
+    model, drafter = build(tmp_path, vocab=5, seed=2)
+    prompt = [1, 3, 0, 2]
+    expected = exact_joint(model, prompt, params, 3)
+    engine = Engine(model, CacheConfig(4, 4096), SchedulerConfig(max_running=128),
+                    drafter=drafter, spec=SpecConfig(3))
+    total, counts = 4000, Counter()
+    for start in range(0, total, 500):
+        seeded = [SamplingParams(**{**params.__dict__, "seed": s})
+                  for s in range(start, start + 500)]
+        for c in engine.generate([prompt] * 500, seeded):
+            counts[tuple(c.output_ids)] += 1
+    assert engine.counters.accepted_tokens > 0 and engine.counters.draft_forwards > 0
+    assert chi_square_pvalue(counts, expected, total) > 1e-3
+    # the test has power: the same samples are rejected against a sharper target distribution
+    sharper = SamplingParams(**{**params.__dict__, "temperature": params.temperature * 0.6})
+    assert chi_square_pvalue(counts, exact_joint(model, prompt, sharper, 3), total) < 1e-3
+
+
+def test_bad_speculative_settings_are_clear(tmp_path, pair):
+    model, drafter = pair
+    with pytest.raises(ValueError, match="block_size"):
+        SpecConfig(17)
+    with pytest.raises(ValueError, match="block_size"):
+        SpecConfig(1)
+    other = make_hf_model("qwen3", vocab_size=16, hidden_size=32, num_attention_heads=2,
+                          num_key_value_heads=1)
+    make_dflash_checkpoint(tmp_path / "small", other.config)
+    with pytest.raises(DrafterMismatchError, match="hidden"):
+        load_drafter(tmp_path / "small", model)
+    make_dflash_checkpoint(tmp_path / "badmask", model.config, mask_token_id=99)
+    with pytest.raises(DrafterMismatchError, match="mask"):
+        load_drafter(tmp_path / "badmask", model)
