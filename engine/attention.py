@@ -19,6 +19,16 @@ import torch.nn.functional as F
 from agentflash.kernels import dispatch
 
 
+def slot_table(page_tables: Sequence[Sequence[int]], page_size: int) -> torch.Tensor:
+    """[B, max_pages * page_size] slot ids of each sequence's pages (short tables padded with
+    page 0: attention masks those keys by length)."""
+    max_pages = max(1, max(len(p) for p in page_tables))
+    table = torch.zeros(len(page_tables), max_pages, dtype=torch.long)
+    for b, pages in enumerate(page_tables):
+        table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+    return (table[:, :, None] * page_size + torch.arange(page_size)).flatten(1)
+
+
 class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; returns [T, Hq, D]."""
@@ -76,14 +86,9 @@ class PagedAttention:
         batch order). Their K/V is stored by `attend` before attention runs."""
         device = k_caches[0].device
         batch = len(page_tables)
-        max_pages = max(len(p) for p in page_tables)
         max_q = max(num_new)
         n_tokens = sum(num_new)
-        table = torch.zeros(batch, max_pages, dtype=torch.long)
-        for b, pages in enumerate(page_tables):
-            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
-        offsets = torch.arange(page_size)
-        gather = (table[:, :, None] * page_size + offsets).reshape(batch, max_pages * page_size)
+        gather = slot_table(page_tables, page_size)
         lens = torch.tensor(ctx_lens, dtype=torch.long)
         n_new = torch.tensor(num_new, dtype=torch.long)
         q_off = torch.arange(max_q)
@@ -140,11 +145,7 @@ class PagedDraftAttention:
         drafter,
     ) -> PagedDraftAttention:
         device = k_caches[0].device
-        max_pages = max(1, max(len(p) for p in page_tables))
-        table = torch.zeros(len(page_tables), max_pages, dtype=torch.long)
-        for b, pages in enumerate(page_tables):
-            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
-        gather = (table[:, :, None] * page_size + torch.arange(page_size)).flatten(1)
+        gather = slot_table(page_tables, page_size)
         kinds = [drafter.layer_kind(i) for i in range(len(k_caches))]
         return cls(k_caches, v_caches, gather.to(device),
                    torch.tensor(ctx_lens, dtype=torch.long, device=device), block_size,
