@@ -58,9 +58,10 @@ def read_jsonl(path: str | Path) -> list[Example]:
             continue
         try:
             obj = json.loads(line)
-            example = Example([int(t) for t in obj["input_ids"]], [int(m) for m in obj["loss_mask"]])
+            ids, mask = [int(t) for t in obj["input_ids"]], [int(m) for m in obj["loss_mask"]]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}:{n}: expected {{input_ids, loss_mask}} lists: {e!r}") from None
+            raise ValueError(f"{path}:{n}: expected input_ids and loss_mask lists: {e!r}") from None
+        example = Example(ids, mask)
         if len(example.input_ids) != len(example.loss_mask) or set(example.loss_mask) - {0, 1}:
             raise ValueError(f"{path}:{n}: loss_mask must be 0/1 and as long as input_ids")
         examples.append(example)
@@ -213,8 +214,8 @@ class AnchorBlockAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_ctx, v_ctx = self.context_kv[layer]
-        keys = torch.cat([_gather(k_ctx.to(k.dtype), self.ctx_index), _gather(k, self.q_index)], 1)
-        values = torch.cat([_gather(v_ctx.to(v.dtype), self.ctx_index), _gather(v, self.q_index)], 1)
+        keys = torch.cat([_gather(k_ctx, self.ctx_index), _gather(k, self.q_index)], dim=1)
+        values = torch.cat([_gather(v_ctx, self.ctx_index), _gather(v, self.q_index)], dim=1)
         out = F.scaled_dot_product_attention(
             _gather(q, self.q_index).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=self.masks[self.kinds[layer]], scale=self.scale,
@@ -298,7 +299,7 @@ class Tally:
         self.counted: torch.Tensor | None = None
 
     def add(self, out: LossOutput) -> None:
-        self.loss += float(out.loss)
+        self.loss += float(out.loss.detach())
         self.batches += 1
         correct, counted = out.correct.cpu(), out.counted.cpu()
         self.correct = correct if self.correct is None else self.correct + correct
@@ -387,7 +388,7 @@ def train(
     if any(not 0 <= t < cfg.vocab_size for e in usable for t in e.input_ids):
         raise ValueError(f"token ids outside the vocabulary [0, {cfg.vocab_size})")
     generator = torch.Generator().manual_seed(config.seed)
-    weights = position_weights(cfg.block_size, config.gamma).to(drafter.device)
+    weights = position_weights(cfg.block_size, config.gamma)
     drafter.train().requires_grad_(True)
     optimizer = torch.optim.AdamW(drafter.parameters(), config.lr,
                                   weight_decay=config.weight_decay)
@@ -435,13 +436,13 @@ def init_drafter(
     seed: int = 0,
 ) -> DFlashDraftModel:
     """A fresh float32 drafter (CPU) for a target: the target's layer shapes, rope and vocabulary;
-    target layers `default_target_layer_ids` and MASK = vocab - 1 unless given; linear weights
-    N(0, 0.02) and norms 1, as transformers initialises Qwen3."""
+    the spec's default target layers (clamped) and MASK = vocab - 1 unless given; linear
+    weights N(0, 0.02) and norms 1, as transformers initialises Qwen3."""
     depth = target.num_hidden_layers
     config = DFlashConfig(
         block_size=block_size,
         mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
-        target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(depth, num_layers)),
+        target_layer_ids=tuple(target_layer_ids or _default_layer_ids(depth, num_layers)),
         num_target_layers=depth,
         vocab_size=target.vocab_size,
         hidden_size=target.hidden_size,
@@ -470,6 +471,11 @@ def init_drafter(
                 param.normal_(0.0, INIT_STD, generator=generator)
     model.rotary.build("cpu")
     return model
+
+
+def _default_layer_ids(depth: int, num_layers: int) -> list[int]:
+    """The spec's default target layers, clamped into [0, depth) for targets under 4 layers."""
+    return [min(max(i, 0), depth - 1) for i in default_target_layer_ids(depth, num_layers)]
 
 
 def drafter_config_json(config: DFlashConfig, dtype: torch.dtype) -> dict[str, Any]:
