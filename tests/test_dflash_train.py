@@ -18,9 +18,10 @@ from agentflash.engine.models import CausalLM, load_model
 from agentflash.engine.models.dflash import DFlashConfig, DFlashDraftModel, LayerKind, load_drafter
 from agentflash.engine.models.dflash_train import (
     Example, TrainConfig, TrainLog, anchor_block_mask, build_batch, default_gamma, draft_hidden,
-    drafter_config_json, evaluate, init_drafter, position_weights, read_jsonl, regenerate,
+    drafter_config_json, evaluate, init_drafter, position_weights, read_jsonl,
     save_drafter, train,
 )
+from agentflash.engine.regenerate import regenerate
 from agentflash.kernels import reference
 from conftest import make_dflash_checkpoint, make_hf_model, save_hf_model
 

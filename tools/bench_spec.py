@@ -7,7 +7,8 @@ of every speculative run are checked to equal the plain run's, token for token.
     python tools/bench_spec.py --model DIR --draft DIR [--blocks 4,8,16] [--prompts 8]
 
 Prompts are random token sequences from a seed the drafter was not trained on, or --prompts-file
-(JSONL with "input_ids") for real data.
+(JSONL with "input_ids", and optionally "loss_mask" as written by tools/train_drafter.py, in which
+case the prompt is the part before the first response token).
 """
 
 from __future__ import annotations
@@ -74,7 +75,10 @@ def main() -> None:
     drafter = load_drafter(args.draft, model)
     if args.prompts_file:
         with open(args.prompts_file) as f:
-            prompts = [json.loads(line)["input_ids"] for line in f][: args.prompts]
+            rows = [json.loads(line) for line in f][: args.prompts]
+        # training-format rows (input_ids + loss_mask): the prompt is the part before the response
+        prompts = [r["input_ids"][: r.get("loss_mask", [0] * len(r["input_ids"])).index(1)]
+                   if 1 in r.get("loss_mask", []) else r["input_ids"] for r in rows]
     else:
         g = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(0, model.config.vocab_size - 1,

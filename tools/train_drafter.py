@@ -29,10 +29,11 @@ import torch
 
 from agentflash.engine.device import resolve_device, resolve_dtype
 from agentflash.engine.models.dflash_train import (
-    Example, Scores, TrainConfig, TrainLog, evaluate, init_drafter, read_jsonl, regenerate,
+    Example, Scores, TrainConfig, TrainLog, evaluate, init_drafter, read_jsonl,
     save_drafter, train, write_jsonl,
 )
 from agentflash.engine.models.loader import load_model
+from agentflash.engine.regenerate import regenerate
 from agentflash.engine.models.qwen3 import CausalLM
 
 

@@ -1,7 +1,7 @@
 """Training a DFlash drafter against a frozen target (recipe: shared/specs/dflash.md, "Training").
 
 Data are `Example(input_ids, loss_mask)` with loss_mask 1 on response tokens: `read_jsonl` reads
-them, `regenerate` makes them from prompts with the target's own greedy responses.
+them, `agentflash.engine.regenerate` makes them from prompts with the target's own greedy responses.
 
 One step over a batch of sequences:
 1. `sample_anchors` picks anchors a among response tokens whose next token is one too, and
@@ -34,8 +34,6 @@ from safetensors.torch import save_file
 
 from ..attention import DenseCausal
 from ..config import ModelConfig
-from ..engine import Engine
-from ..sampler import SamplingParams
 from .dflash import DFlashDraftModel, LayerKind
 from .dflash_config import ARCHITECTURE, DFlashConfig, check_compatible, default_target_layer_ids
 from .loader import DTYPES, WEIGHTS, unfused_sources
@@ -71,19 +69,6 @@ def read_jsonl(path: str | Path) -> list[Example]:
 def write_jsonl(path: str | Path, examples: Sequence[Example]) -> None:
     lines = (json.dumps({"input_ids": e.input_ids, "loss_mask": e.loss_mask}) for e in examples)
     Path(path).write_text("".join(line + "\n" for line in lines))
-
-
-def regenerate(
-    target: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-    ignore_eos: bool = False,
-) -> list[Example]:
-    """Prompts followed by the target's own greedy responses (the tokens a drafter must guess)."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-    done = Engine(target).generate([list(p) for p in prompts], params)
-    return [
-        Example(list(p) + c.output_ids, [0] * len(p) + [1] * len(c.output_ids))
-        for p, c in zip(prompts, done)
-    ]
 
 
 def anchor_candidates(loss_mask: Sequence[int]) -> list[int]:
