@@ -96,6 +96,7 @@ def _generate(args: argparse.Namespace) -> int:
                 "acceptance_lengths": c.acceptance_lengths,
                 "mean_acceptance_length": round(
                     sum(c.acceptance_lengths) / max(1, len(c.acceptance_lengths)), 3),
+                "acceptance_histogram": c.acceptance_histogram,
                 "accepted_per_position": c.accepted_per_position,
             }
             if args.trace:

@@ -34,6 +34,14 @@ class SeqCounters:
     accepted_per_position: list[int] = field(default_factory=list)  # index k: draft k accepted
     drafts: list[list[int]] | None = None  # proposals per step, when tracing
 
+    @property
+    def acceptance_histogram(self) -> dict[int, int]:
+        """Verify steps by tokens committed (tau)."""
+        hist: dict[int, int] = {}
+        for tau in self.acceptance_lengths:
+            hist[tau] = hist.get(tau, 0) + 1
+        return dict(sorted(hist.items()))
+
 
 @dataclass(eq=False)
 class Sequence:

@@ -79,6 +79,9 @@ def test_acceptance_happens_and_per_position_counts_are_consistent(pair):
     accepted = sum(c.counters.accepted_tokens for c in done)
     assert accepted > 0  # a random 16-token drafter still guesses right sometimes
     for c in done:
+        hist = c.counters.acceptance_histogram
+        assert sum(hist.values()) == c.counters.draft_forwards
+        assert sum(tau * n for tau, n in hist.items()) == sum(c.counters.acceptance_lengths)
         per_pos = c.counters.accepted_per_position
         assert sum(per_pos) == c.counters.accepted_tokens
         assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a prefix is accepted
