@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
-            from bench_engine import make_random_checkpoint
+            from make_random_model import make_random_checkpoint
 
             args.model = make_random_checkpoint(tmp)
         models = {dt: load_model(args.model, dtype=dt) for dt in (torch.float32, torch.bfloat16)}

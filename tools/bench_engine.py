@@ -25,22 +25,7 @@ from agentflash.engine.device import resolve_dtype
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
-
-SMALL_QWEN3 = dict(  # ~30M parameters: the size class of the embedded default model
-    vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-    num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=16384,
-    tie_word_embeddings=True,
-)
-
-
-def make_random_checkpoint(path: str) -> str:
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL_QWEN3))
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
+from make_random_model import make_random_checkpoint
 
 def best_of(fn, repeats: int) -> float:
     times = []
