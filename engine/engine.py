@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Sequence as Seq
 import torch
 
 from .config import CacheConfig, SchedulerConfig, SpecConfig
-from .errors import ContextLengthError, KVPoolExhaustedError, RequestError
+from .errors import ContextLengthError, RequestError
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
 from .models.dflash import DFlashDraftModel, load_drafter
@@ -158,13 +158,10 @@ class Engine:
                        block_size=self.block_size if speculative else 1)
         if trace:
             seq.counters.drafts = []
-        needed = -(-seq.budget // self.kv.page_size) + 1
-        if needed > self.kv.max_reservable() + len(prompt) // self.kv.page_size:
-            # even with its longest possible prefix hit and every unpinned page evicted
-            raise KVPoolExhaustedError(
-                f"request needs up to {needed} KV pages but only {self.kv.max_reservable()} can "
-                "ever be freed; pinned sessions hold the rest (close agents or enlarge the pool)"
-            )
+        # even with its whole prompt cached and every unpinned page evicted
+        error = self.scheduler.never_fits(seq, len(prompt))
+        if error is not None:
+            raise error
         if not params.greedy:
             seq.generator = make_generator(params.seed, self.device)
         self._seqs[seq.id] = seq

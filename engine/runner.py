@@ -91,7 +91,7 @@ class ModelRunner:
         for item in items:
             seq = item.seq
             start = seq.computed
-            ids.extend([seq.tokens[start]] + [cfg.mask_token_id] * (block_size - 1))
+            ids.extend(seq.token_slice(start, start + 1) + [cfg.mask_token_id] * (block_size - 1))
             positions.extend(range(start, start + block_size))
             page_tables.append(seq.kv.pages)
             ctx_lens.append(start)

@@ -40,8 +40,8 @@ class BatchItem:
     def token_ids(self) -> list[int]:
         if self.verifies:
             assert self.draft is not None and len(self.draft) == self.num_tokens - 1
-            return [self.seq.tokens[self.start], *self.draft]
-        return self.seq.tokens[self.start:self.start + self.num_tokens]
+            return [*self.seq.token_slice(self.start, self.start + 1), *self.draft]
+        return self.seq.token_slice(self.start, self.start + self.num_tokens)
 
 
 class Scheduler:
@@ -107,13 +107,20 @@ class Scheduler:
             seq.status = Status.RUNNING
             seq.counters.cached_tokens = kv.length
             return True, None
+        cached = kv.length
+        self.kv.release(kv)  # (resets kv)
+        return False, self.never_fits(seq, cached)
+
+    def never_fits(self, seq: Sequence, cached: int) -> KVPoolExhaustedError | None:
+        """The error for a sequence whose budget, with `cached` tokens of it already in shared
+        pages, needs more pages than could ever be freed (pinned sessions hold the rest)."""
         page = self.kv.page_size
-        needed = -(-seq.budget // page) - kv.length // page + 1
-        self.kv.release(kv)
-        if needed > self.kv.max_reservable():
-            return False, KVPoolExhaustedError(
-                f"request needs {needed} KV pages ({seq.budget} tokens) but at most "
-                f"{self.kv.max_reservable()} of {self.kv.stats()['pages_total']} can be freed; "
-                "pinned sessions hold the rest (close agents or enlarge the pool)"
-            )
-        return False, None
+        needed = -(-seq.budget // page) - cached // page + 1  # +1: copy-on-write of a shared page
+        available = self.kv.max_reservable()
+        if needed <= available:
+            return None
+        return KVPoolExhaustedError(
+            f"request needs {needed} KV pages ({seq.budget} tokens) but at most {available} of "
+            f"{self.kv.stats()['pages_total']} can be freed; pinned sessions hold the rest "
+            "(close agents or enlarge the pool)"
+        )
