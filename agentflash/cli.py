@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 from agentflash.engine.config import CacheConfig, SpecConfig
@@ -16,6 +17,7 @@ from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
 
+from .embedded import EMBEDDED_MODEL, model_drafter_dir, resolve_model
 from .tokenizer import load_tokenizer
 
 
@@ -28,10 +30,13 @@ def _parse_ids(text: str) -> list[int]:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt with a local model")
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--model", default=None,
+                   help=f"Hugging Face model directory (default: the embedded {EMBEDDED_MODEL})")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs tokenizer files in the model directory)")
     src.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as one user message through the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -42,39 +47,78 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="cpu|cuda|auto")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: fits context)")
-    p.add_argument("--draft", help="DFlash drafter checkpoint directory (speculative decoding)")
+    p.add_argument("--draft", help="DFlash drafter checkpoint directory (speculative decoding; "
+                   "default: the model's own drafter/ subdirectory, if it has one)")
     p.add_argument("--block-size", type=int, default=None,
                    help="speculative block size 2..16 (default: the drafter's)")
-    p.add_argument("--no-draft", action="store_true", help="plain decoding even with --draft")
+    p.add_argument("--no-draft", action="store_true",
+                   help="plain decoding, even with --draft or a model that carries a drafter")
     p.add_argument("--trace", action="store_true", help="with --json: list every drafted block")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_generate)
 
 
+def _drafter_dir(args: argparse.Namespace, model_dir: Path) -> Path | None:
+    """--no-draft: none; --draft DIR: DIR; otherwise the model's own drafter/, if any."""
+    if args.no_draft:
+        return None
+    if args.draft:
+        return Path(args.draft)
+    return model_drafter_dir(model_dir)
+
+
+def _chat_prompt(tokenizer, prompt: str) -> list[int]:
+    """`prompt` as one user turn in the tokenizer's chat template, ready for the reply."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def _generate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    tokenizer = load_tokenizer(args.model)
-    if args.prompt is not None and tokenizer is None:
-        raise EngineError(f"{args.model} has no tokenizer files: pass --prompt-ids instead")
-    model = load_model(args.model, dtype=dtype, device=device)
-    drafter = None
-    if args.draft and not args.no_draft:
-        drafter = load_drafter(args.draft, model)
-    prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt)
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    if args.chat:
+        if args.prompt is None:
+            raise EngineError("--chat needs --prompt (the text of the user message)")
+        if tokenizer is None:
+            raise EngineError(f"{model_dir} has no tokenizer files: --chat needs one")
+        if not getattr(tokenizer, "chat_template", None):
+            raise EngineError(f"{model_dir}'s tokenizer has no chat template: drop --chat")
+    elif args.prompt is not None and tokenizer is None:
+        raise EngineError(f"{model_dir} has no tokenizer files: pass --prompt-ids instead")
+    model = load_model(model_dir, dtype=dtype, device=device)
+    draft_dir = _drafter_dir(args, model_dir)
+    drafter = load_drafter(draft_dir, model) if draft_dir is not None else None
+    if args.prompt is None:
+        prompt = args.prompt_ids
+    elif args.chat:
+        prompt = _chat_prompt(tokenizer, args.prompt)
+    else:
+        prompt = tokenizer.encode(args.prompt)
     need = len(prompt) + args.max_new_tokens
     pages = args.num_pages or -(-need // args.page_size) + 2
     detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     engine = Engine(model, CacheConfig(args.page_size, pages), detokenize=detok, drafter=drafter,
                     spec=SpecConfig(args.block_size))
+    # The engine stops at config.json's eos ids; a chat reply also ends at the tokenizer's eos
+    # (the end-of-turn token, where config.json names another one).
+    end_of_turn: tuple[int, ...] = ()
+    if args.chat and tokenizer.eos_token_id is not None:
+        end_of_turn = (tokenizer.eos_token_id,)
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), stop_token_ids=end_of_turn,
     )
     t0 = time.perf_counter()
     (done,) = engine.generate([prompt], params, trace=args.trace)
     elapsed = time.perf_counter() - t0
-    text = tokenizer.decode(done.output_ids) if tokenizer is not None else None
+    text_ids = done.output_ids
+    if args.chat and done.finish_reason == "stop" and text_ids[-1:] and (
+            text_ids[-1] in engine.eos_ids or text_ids[-1] in end_of_turn):
+        text_ids = text_ids[:-1]  # the end-of-turn token is not part of the reply
+    text = tokenizer.decode(text_ids) if tokenizer is not None else None
     if text is not None:
         for s in args.stop:
             text = text.split(s, 1)[0]
@@ -88,10 +132,12 @@ def _generate(args: argparse.Namespace) -> int:
             "tokens_per_s": round(len(done.output_ids) / elapsed, 2),
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
+            "model": str(model_dir),
         }
         if drafter is not None:
             c = done.counters
             record |= {
+                "drafter": str(draft_dir),
                 "block_size": engine.block_size,
                 "acceptance_lengths": c.acceptance_lengths,
                 "mean_acceptance_length": round(

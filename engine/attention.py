@@ -36,21 +36,45 @@ class AttentionBackend(Protocol):
 
 
 class DenseCausal:
-    """Causal attention inside each of several sequences laid end to end, without a cache."""
+    """Causal attention inside each of several sequences laid end to end, without a cache.
+    One causal kernel call per sequence: no work on the cross-sequence blocks a joint mask
+    would spend (quadratic in the total length)."""
 
-    def __init__(self, seq_lens: Sequence[int], scale: float, device: torch.device | str = "cpu"):
+    def __init__(self, seq_lens: Sequence[int], scale: float):
         self.scale = scale
-        n = sum(seq_lens)
-        seq_id = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(list(seq_lens)))
-        pos = torch.arange(n)
-        self.mask = ((seq_id[:, None] == seq_id[None, :]) & (pos[None, :] <= pos[:, None])).to(device)
+        self.bounds: list[tuple[int, int]] = []
+        start = 0
+        for n in seq_lens:
+            self.bounds.append((start, start + n))
+            start += n
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=self.mask,
-            scale=self.scale, enable_gqa=k.shape[1] != q.shape[1],
-        )
-        return out.transpose(0, 1)
+        outs = [
+            F.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1],
+            ).transpose(0, 1)
+            for a, b in self.bounds
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@dataclass(frozen=True)
+class PagedGroup:
+    """Sequences of one forward attended in one kernel call, padded to the group's longest run
+    of queries and context (see `PagedAttention.build`). Indices are local to the group."""
+
+    rows: torch.Tensor               # [Tg] rows of q (and of the output) holding its queries
+    gather: torch.Tensor             # [b, L] slots of each sequence's keys (whole pages)
+    q_index: torch.Tensor            # [b, Q] group token row per (sequence, query); Tg = padding
+    out_index: torch.Tensor | None   # [Tg] output row per token (None: identity)
+    mask: torch.Tensor               # [b, 1, Q, L]
+
+
+def _query_class(n: int) -> int:
+    """Decode steps (1 query), verify blocks (a few) and prefill chunks are padded separately:
+    one prefill chunk in a batch of decodes must not pad every decode to the chunk's length."""
+    return 0 if n == 1 else 1 if n <= 32 else 2
 
 
 @dataclass
@@ -64,10 +88,7 @@ class PagedAttention:
     k_caches: Sequence[torch.Tensor]
     v_caches: Sequence[torch.Tensor]
     slot_mapping: torch.Tensor       # [T] where each new token's K/V goes
-    gather: torch.Tensor             # [B, L] slots of each sequence's keys (whole pages)
-    q_index: torch.Tensor            # [B, Q] token row per (sequence, query); T = padding
-    out_index: torch.Tensor | None   # [T] output row per token (None: identity)
-    mask: torch.Tensor | None        # [B, 1, Q, L]
+    groups: list[PagedGroup]
     scale: float
 
     @classmethod
@@ -85,38 +106,69 @@ class PagedAttention:
         `page_tables[b]`; its last `num_new[b]` tokens are this forward's queries (laid out in
         batch order). Their K/V is stored by `attend` before attention runs."""
         device = k_caches[0].device
-        batch = len(page_tables)
-        max_q = max(num_new)
         n_tokens = sum(num_new)
-        gather = slot_table(page_tables, page_size)
-        lens = torch.tensor(ctx_lens, dtype=torch.long)
-        n_new = torch.tensor(num_new, dtype=torch.long)
-        q_off = torch.arange(max_q)
-        q_valid = q_off[None, :] < n_new[:, None]                       # [B, Q]
-        q_pos = (lens - n_new)[:, None] + q_off[None, :]                # [B, Q] absolute positions
-        first_row = torch.cumsum(n_new, 0) - n_new
-        q_index = torch.where(q_valid, first_row[:, None] + q_off[None, :], n_tokens)
-        slot_mapping = gather.gather(1, q_pos.clamp(max=gather.shape[1] - 1))[q_valid]
-        # query i of sequence b sees key j iff j <= its position (padding queries see key 0).
-        q_pos = torch.where(q_valid, q_pos, 0)
-        mask = torch.arange(gather.shape[1])[None, None, :] <= q_pos[:, :, None]
-        out_index = None
-        if batch > 1 and not bool(q_valid.all()):
-            flat = torch.zeros(n_tokens + 1, dtype=torch.long)
-            flat[q_index.reshape(-1)] = torch.arange(batch * max_q)
-            out_index = flat[:n_tokens].to(device)
-        return cls(
-            k_caches=k_caches, v_caches=v_caches, slot_mapping=slot_mapping.to(device),
-            gather=gather.to(device), q_index=q_index.to(device), out_index=out_index,
-            mask=mask[:, None].to(device), scale=scale,
-        )
+        first = [0]
+        for n in num_new:
+            first.append(first[-1] + n)
+        classes: dict[int, list[int]] = {}
+        for b, n in enumerate(num_new):
+            classes.setdefault(_query_class(n), []).append(b)
+        slot_mapping = torch.empty(n_tokens, dtype=torch.long)
+        groups = []
+        for members in classes.values():
+            rows = torch.cat([torch.arange(first[b], first[b + 1]) for b in members])
+            slots, group = _build_group(
+                [page_tables[b] for b in members], [ctx_lens[b] for b in members],
+                [num_new[b] for b in members], page_size, rows, device)
+            slot_mapping[rows] = slots
+            groups.append(group)
+        return cls(k_caches=k_caches, v_caches=v_caches, slot_mapping=slot_mapping.to(device),
+                   groups=groups, scale=scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         dispatch.store_kv(k_cache, v_cache, self.slot_mapping, k, v)
-        return dispatch.paged_attention(
-            q, k_cache, v_cache, self.gather, self.q_index, self.out_index, self.mask, self.scale
-        )
+        if len(self.groups) == 1:
+            g = self.groups[0]
+            return dispatch.paged_attention(
+                q, k_cache, v_cache, g.gather, g.q_index, g.out_index, g.mask, self.scale)
+        out = torch.empty_like(q)
+        for g in self.groups:
+            out[g.rows] = dispatch.paged_attention(
+                q[g.rows], k_cache, v_cache, g.gather, g.q_index, g.out_index, g.mask,
+                self.scale)
+        return out
+
+
+def _build_group(
+    page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int], num_new: Sequence[int],
+    page_size: int, rows: torch.Tensor, device: torch.device,
+) -> tuple[torch.Tensor, PagedGroup]:
+    """The slots of the group's new tokens and its kernel arguments."""
+    batch = len(page_tables)
+    max_q = max(num_new)
+    n_tokens = sum(num_new)
+    gather = slot_table(page_tables, page_size)
+    lens = torch.tensor(ctx_lens, dtype=torch.long)
+    n_new = torch.tensor(num_new, dtype=torch.long)
+    q_off = torch.arange(max_q)
+    q_valid = q_off[None, :] < n_new[:, None]                       # [B, Q]
+    q_pos = (lens - n_new)[:, None] + q_off[None, :]                # [B, Q] absolute positions
+    first_row = torch.cumsum(n_new, 0) - n_new
+    q_index = torch.where(q_valid, first_row[:, None] + q_off[None, :], n_tokens)
+    slots = gather.gather(1, q_pos.clamp(max=gather.shape[1] - 1))[q_valid]
+    # query i of sequence b sees key j iff j <= its position (padding queries see key 0).
+    q_pos = torch.where(q_valid, q_pos, 0)
+    mask = torch.arange(gather.shape[1])[None, None, :] <= q_pos[:, :, None]
+    out_index = None
+    if batch > 1 and not bool(q_valid.all()):
+        flat = torch.zeros(n_tokens + 1, dtype=torch.long)
+        flat[q_index.reshape(-1)] = torch.arange(batch * max_q)
+        out_index = flat[:n_tokens].to(device)
+    group = PagedGroup(rows=rows.to(device), gather=gather.to(device),
+                       q_index=q_index.to(device), out_index=out_index,
+                       mask=mask[:, None].to(device))
+    return slots, group
 
 
 @dataclass

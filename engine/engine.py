@@ -122,6 +122,9 @@ class Engine:
         cls, path: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
         draft: str | Path | None = None, **kwargs,
     ) -> Engine:
+        """Load the model at `path` and, if `draft` is given, the DFlash drafter there.
+        No drafter is loaded implicitly: for the one a model directory carries, pass
+        `draft=bundled_drafter_dir(path)` (engine.models.dflash)."""
         model = load_model(path, dtype=dtype, device=device)
         drafter = load_drafter(draft, model) if draft is not None else None
         return cls(model, drafter=drafter, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .config import CacheConfig, SchedulerConfig
 from .engine import Engine
 from .models.dflash_train import Example
 from .models.qwen3 import CausalLM
@@ -13,12 +14,17 @@ from .sampler import SamplingParams
 
 def regenerate(
     target: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-    ignore_eos: bool = False,
+    ignore_eos: bool = False, cache: CacheConfig = CacheConfig(num_pages=4096),
+    scheduler: SchedulerConfig = SchedulerConfig(max_batch_tokens=2048),
 ) -> list[Example]:
-    """Prompts followed by the target's own greedy responses (the tokens a drafter must guess)."""
+    """Prompts followed by the target's own greedy responses (the tokens a drafter must guess).
+    All prompts go to one engine, batched; the default pool (64k tokens) keeps the batch wide."""
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-    done = Engine(target).generate([list(p) for p in prompts], params)
-    return [
-        Example(list(p) + c.output_ids, [0] * len(p) + [1] * len(c.output_ids))
-        for p, c in zip(prompts, done)
-    ]
+    # Shortest first: sequences batched together have similar lengths, so little padding.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    done = Engine(target, cache, scheduler).generate([list(prompts[i]) for i in order], params)
+    outputs = [[] for _ in prompts]
+    for i, c in zip(order, done):
+        outputs[i] = c.output_ids
+    return [Example(list(p) + out, [0] * len(p) + [1] * len(out))
+            for p, out in zip(prompts, outputs)]

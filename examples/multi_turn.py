@@ -1,95 +1,130 @@
-"""A multi-turn session on the engine: each turn appends a "tool result" and generates a reply.
+"""A multi-turn tool-using session on the embedded model: turn N prefills only its new tokens.
 
-Shows what the prefix cache buys an agent loop: turn N prefills only its new tokens because
-turn N-1 (prompt AND reply) stays pinned in the paged KV pool. The same session is then re-run
-with a fresh cache every turn for comparison. Until the embedded trained model lands this uses a
-random-weight ~30M Qwen3 (token ids, not text) unless --model points at a checkpoint.
+Each turn appends a user message or tool results in the model's chat template; the model replies
+(greedy, DFlash speculative decoding with the embedded drafter) and its reply stays in the
+conversation. The conversation's KV stays pinned in the paged pool between turns, so a turn
+computes only the tokens added since the last one. The session then runs twice more for
+comparison: re-prefilling the whole conversation every turn, and without speculation. Tool
+results are scripted here; the agent SDK runs real tools.
 
-    python examples/multi_turn.py [--model DIR] [--turns 5] [--system-tokens 1500]
+    python examples/multi_turn.py [--model DIR] [--max-tokens 96]
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 
 import torch
 
-from agentflash.engine.config import CacheConfig, SchedulerConfig
+from agentflash.embedded import model_drafter_dir, resolve_model
+from agentflash.engine.config import CacheConfig, SpecConfig
 from agentflash.engine.engine import Engine
+from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
+from agentflash.tokenizer import load_tokenizer
 
 
-def random_qwen3(path: str) -> str:
-    import transformers
-
-    cfg = transformers.Qwen3Config(
-        vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=8192, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return path
+def tool(name: str, description: str, **params: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description,
+            "parameters": {"type": "object", "required": list(params), "properties": {
+                k: {"type": "string", "description": v} for k, v in params.items()}}}}
 
 
-def run_session(model, turns: list[list[int]], reply_tokens: int, reuse: bool) -> list[dict]:
-    cache, sched = CacheConfig(page_size=16, num_pages=1024), SchedulerConfig(max_batch_tokens=2048)
-    engine = Engine(model, cache, sched)
-    params = SamplingParams(max_new_tokens=reply_tokens, ignore_eos=True)
-    history: list[int] = []
-    pin = None
-    rows = []
-    for new in turns:
-        history = history + new
+TOOLS = [
+    tool("ls", "List the contents of the current directory."),
+    tool("cd", "Change the current working directory to the specified folder.",
+         folder="The folder to change to."),
+    tool("cat", "Display the contents of a file.", file_name="The file to display."),
+    tool("grep", "Search a file for lines containing a pattern.",
+         file_name="The file to search.", pattern="The pattern to search for."),
+]
+SESSION = [  # (role, content): user turns and the tool results that follow the model's calls
+    ("user", "List the files in the current directory, please."),
+    ("tool", '{"current_directory_content": ["notes.txt", "report.txt", "data"]}'),
+    ("user", "Show me what is in report.txt."),
+    ("tool", '{"file_content": "Q3 revenue grew 12%. Budget analysis: costs flat."}'),
+    ("user", "Find the lines mentioning 'budget' in report.txt."),
+    ("tool", '{"matching_lines": ["Budget analysis: costs flat."]}'),
+]
+
+
+def run_session(new_engine, tokenizer, reuse: bool, max_tokens: int) -> list[dict]:
+    """One session; without reuse every turn gets a fresh engine (an empty KV cache)."""
+    engine = new_engine()
+    messages: list[dict] = []
+    params = SamplingParams(max_new_tokens=max_tokens)
+    pin, rows = None, []
+    for role, content in SESSION:
+        messages.append({"role": role, "content": content, **({"name": "tool"} if role == "tool"
+                                                              else {})})
+        text = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                             add_generation_prompt=True)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not reuse:
-            engine = Engine(model, cache, sched)  # nothing survives from the last turn
+            engine = new_engine()
         t0 = time.perf_counter()
-        seq = engine.submit(history, params, pin=reuse)
-        ttft = None
-        while engine.has_work():
+        seq = engine.submit(prompt, params, pin=reuse)
+        ttft, finished = None, False
+        while not finished:
             for u in engine.step():
-                if u.new_token_ids and ttft is None:
+                if u.seq_id == seq and u.new_token_ids and ttft is None:
                     ttft = time.perf_counter() - t0
+                finished |= u.seq_id == seq and u.finished
         total = time.perf_counter() - t0
         done = engine.result(seq)
         if pin is not None:
             engine.unpin(pin)  # the new turn's pin covers the whole conversation now
         pin = done.pin
-        rows.append(dict(prompt=len(history), cached=done.counters.cached_tokens,
-                         computed=done.counters.prefill_tokens, ttft=ttft, total=total))
-        history = history + done.output_ids
+        reply = tokenizer.decode(done.output_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        c = done.counters
+        rows.append(dict(prompt=len(prompt), cached=c.cached_tokens, computed=c.prefill_tokens,
+                         reply=len(done.output_ids), ttft=ttft, total=total, text=reply,
+                         tau=sum(c.acceptance_lengths) / max(1, len(c.acceptance_lengths))))
+    if pin is not None:
+        engine.unpin(pin)
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model")
-    ap.add_argument("--turns", type=int, default=5)
-    ap.add_argument("--system-tokens", type=int, default=1500)
-    ap.add_argument("--tool-tokens", type=int, default=60)
-    ap.add_argument("--reply-tokens", type=int, default=24)
+    ap.add_argument("--model", help="model directory (default: the embedded model)")
+    ap.add_argument("--max-tokens", type=int, default=96, help="reply length limit per turn")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = load_model(args.model or random_qwen3(tmp))
-    g = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    turns = [torch.randint(0, vocab, (args.system_tokens,), generator=g).tolist()]
-    turns += [torch.randint(0, vocab, (args.tool_tokens,), generator=g).tolist()
-              for _ in range(args.turns - 1)]
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir)
+    drafter_dir = model_drafter_dir(model_dir)
+    drafter = load_drafter(drafter_dir, model) if drafter_dir is not None else None
+    cache = CacheConfig(page_size=16, num_pages=1024)
     with torch.inference_mode():
-        run_session(model, turns[:1], 2, reuse=True)  # warm-up
-        reuse = run_session(model, turns, args.reply_tokens, reuse=True)
-        fresh = run_session(model, turns, args.reply_tokens, reuse=False)
-    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'computed':>8} {'TTFT ms':>8} "
-          f"{'no-reuse TTFT ms':>17} {'speedup':>8}")
-    for i, (r, f) in enumerate(zip(reuse, fresh), 1):
-        print(f"{i:>4} {r['prompt']:>7} {r['cached']:>7} {r['computed']:>8} "
-              f"{r['ttft'] * 1e3:>8.1f} {f['ttft'] * 1e3:>17.1f} {f['ttft'] / r['ttft']:>7.1f}x")
-    tr, tf = sum(r["total"] for r in reuse), sum(f["total"] for f in fresh)
-    print(f"session total: {tr:.2f} s with KV reuse vs {tf:.2f} s re-prefilling ({tf / tr:.1f}x)")
+        def spec() -> Engine:
+            return Engine(model, cache, drafter=drafter, spec=SpecConfig())
+
+        def plain() -> Engine:
+            return Engine(model, cache)
+
+        for engine in (spec(), plain()):  # warm-up
+            engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+        runs = {"reuse+spec": run_session(spec, tokenizer, True, args.max_tokens),
+                "no reuse": run_session(spec, tokenizer, False, args.max_tokens),
+                "no spec": run_session(plain, tokenizer, True, args.max_tokens)}
+    main_run = runs["reuse+spec"]
+    for i, r in enumerate(main_run, 1):
+        print(f"--- turn {i}: {SESSION[i - 1][0]} -> assistant\n{r['text']}")
+    print(f"\n{'turn':>4} {'prompt':>6} {'cached':>6} {'computed':>8} {'reply':>5} {'tau':>5} "
+          f"{'TTFT ms':>8} {'total ms':>9} | {'no-reuse TTFT':>13} {'no-spec total':>13}")
+    for i, r in enumerate(main_run):
+        f, p = runs["no reuse"][i], runs["no spec"][i]
+        print(f"{i + 1:>4} {r['prompt']:>6} {r['cached']:>6} {r['computed']:>8} {r['reply']:>5} "
+              f"{r['tau']:>5.2f} {r['ttft'] * 1e3:>8.1f} {r['total'] * 1e3:>9.1f} | "
+              f"{f['ttft'] * 1e3:>13.1f} {p['total'] * 1e3:>13.1f}")
+    totals = {k: sum(r["total"] for r in rows) for k, rows in runs.items()}
+    print(f"session: {totals['reuse+spec']:.2f} s with KV reuse and DFlash; "
+          f"{totals['no reuse']:.2f} s re-prefilling every turn; "
+          f"{totals['no spec']:.2f} s without speculation")
 
 
 if __name__ == "__main__":

@@ -209,6 +209,6 @@ def test_cuda_matches_cpu(tmp_path: Path) -> None:
     assert gpu.device.type == "cuda" and gpu.rotary.cos_half.device.type == "cuda"
     seqs = random_seqs([9, 14])
     ids, positions = torch.cat(seqs), torch.cat([torch.arange(9), torch.arange(14)])
-    out = gpu(ids.cuda(), positions.cuda(), DenseCausal([9, 14], gpu.attention_scale, "cuda"))
+    out = gpu(ids.cuda(), positions.cuda(), DenseCausal([9, 14], gpu.attention_scale))
     cpu = model.logits(run_ours(model, seqs, [0, 0]).hidden)
     torch.testing.assert_close(gpu.logits(out.hidden).cpu(), cpu, atol=1e-4, rtol=0)

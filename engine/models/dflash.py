@@ -36,9 +36,12 @@ from .qwen3 import CausalLM, DecoderLayer
 from .rope import RotaryEmbedding, apply_rope
 
 __all__ = [
-    "DFlashConfig", "DFlashDraftModel", "LayerKind", "check_compatible",
-    "default_target_layer_ids", "load_drafter",
+    "DRAFTER_SUBDIR", "DFlashConfig", "DFlashDraftModel", "LayerKind", "bundled_drafter_dir",
+    "check_compatible", "default_target_layer_ids", "load_drafter",
 ]
+
+DRAFTER_SUBDIR = "drafter"
+"""A model directory may carry its own DFlash drafter in this subdirectory."""
 
 
 class LayerKind(NamedTuple):
@@ -134,6 +137,13 @@ class DFlashDraftModel(nn.Module):
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def bundled_drafter_dir(model_dir: str | Path) -> Path | None:
+    """The drafter a model directory carries: `<model_dir>/drafter/` when it holds a
+    config.json, else None. (Whether it fits the model is checked by `load_drafter`.)"""
+    path = Path(model_dir) / DRAFTER_SUBDIR
+    return path if (path / "config.json").is_file() else None
 
 
 def load_drafter(

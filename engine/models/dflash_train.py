@@ -216,7 +216,7 @@ def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def draft_hidden(target: CausalLM, drafter: DFlashDraftModel, batch: AnchorBatch) -> torch.Tensor:
     """The drafter's final hidden states [M, B, H] for every block of `batch` (target frozen)."""
     with torch.no_grad():
-        attn = DenseCausal(batch.seq_lens, target.attention_scale, target.device)
+        attn = DenseCausal(batch.seq_lens, target.attention_scale)
         captured = target(
             batch.input_ids, batch.positions, attn, drafter.config.target_layer_ids
         ).captured

@@ -1,0 +1,78 @@
+"""The corpus tools (tools/bfcl.py, tools/corpus.py): BFCL schemas as JSON Schema, ground-truth
+call parsing, and assistant-token loss masks from the shipped chat template."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+from bfcl import json_schema, parse_call, tool_schema  # noqa: E402
+from corpus import Tokenized  # noqa: E402
+
+
+def test_bfcl_types_become_json_schema():
+    fn = {"name": "math.hypot", "description": "This tool belongs to the Math API, which does "
+          "math. Tool description: Euclidean norm.", "parameters": {
+              "type": "dict", "required": ["x", "y", "gone"], "properties": {
+                  "x": {"type": "integer"}, "y": {"type": "float"},
+                  "point": {"type": "tuple", "items": {"type": "float"}},
+                  "opts": {"type": "dict", "properties": {"deep": {"type": "boolean"}}},
+                  "anything": {"type": "any", "description": "free"}}}}
+    tool = tool_schema(fn)
+    params = tool["function"]["parameters"]
+    assert tool["function"]["description"] == "Euclidean norm."
+    jsonschema.Draft202012Validator.check_schema(params)
+    assert params["required"] == ["x", "y"]  # a required name without a property is dropped
+    assert params["properties"]["point"] == {"type": "array", "items": {"type": "number"}}
+    assert "type" not in params["properties"]["anything"]
+    jsonschema.validate({"x": 3, "y": 4.5, "point": [1.0], "opts": {"deep": True},
+                         "anything": [1]}, params)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"x": 3.5, "y": 4}, params)
+
+
+def test_java_arguments_are_source_strings():
+    params = json_schema({"type": "dict", "properties": {
+        "n": {"type": "long"}, "xs": {"type": "ArrayList", "items": {"type": "String"}}}},
+        all_strings=True)
+    assert params["properties"] == {"n": {"type": "string"}, "xs": {"type": "string"}}
+
+
+def test_parse_call_reads_literals():
+    assert parse_call("mv(source='a.txt', destination=\"b\")") == (
+        "mv", [], {"source": "a.txt", "destination": "b"})
+    assert parse_call("sort('f.pdf')") == ("sort", ["f.pdf"], {})
+    assert parse_call("add(a=1.5, b=[1, 2], c={'k': None})") == (
+        "add", [], {"a": 1.5, "b": [1, 2], "c": {"k": None}})
+    with pytest.raises(ValueError):
+        parse_call("x + 1")
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns():
+    from agentflash.embedded import embedded_model_dir
+    from agentflash.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(embedded_model_dir())
+    enc = Tokenized(tok)
+    conv = {"tools": [tool_schema({"name": "ls", "description": "List files.",
+                                   "parameters": {"type": "dict", "properties": {}}})],
+            "messages": [
+                {"role": "user", "content": "list"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "ls", "arguments": {}}}]},
+                {"role": "tool", "name": "ls", "content": "[\"a\"]"},
+                {"role": "assistant", "content": "There is one file, a."}]}
+    ex = enc.encode(conv)
+    masked = tok.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m])
+    assert masked == ('<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call><|im_end|>'
+                      "There is one file, a.<|im_end|>")
+    prompts = list(enc.prompts(conv))
+    assert len(prompts) == 2
+    assert tok.decode(prompts[1].reply) == "There is one file, a.<|im_end|>"
+    assert tok.decode(prompts[1].ids).endswith("</tool_response><|im_end|>\n"
+                                               "<|im_start|>assistant\n")

@@ -1,0 +1,132 @@
+"""The shipped embedded checkpoints: tokenizer and chat template, target, drafter.
+
+Held-out prompts come from tests/data/heldout.jsonl: conversations of the corpus's test split
+(tools/build_corpus.py), never trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentflash.embedded import embedded_model_dir, model_drafter_dir
+from agentflash.engine.config import CacheConfig, SpecConfig
+from agentflash.engine.engine import Engine
+from agentflash.engine.models.dflash import load_drafter
+from agentflash.engine.models.dflash_train import init_drafter
+from agentflash.engine.models.loader import load_model
+from agentflash.engine.sampler import SamplingParams
+from agentflash.tokenizer import load_tokenizer
+
+HELDOUT = Path(__file__).parent / "data" / "heldout.jsonl"
+TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(embedded_model_dir())
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(embedded_model_dir(), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return load_drafter(model_drafter_dir(embedded_model_dir()), target)
+
+
+def conversations() -> list[dict]:
+    return [json.loads(line) for line in HELDOUT.read_text().splitlines()]
+
+
+def prompt_ids(tokenizer, conv: dict) -> list[int]:
+    """The conversation up to its last assistant turn, ready for the model to answer."""
+    last = max(i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant")
+    text = tokenizer.apply_chat_template(conv["messages"][:last], tools=conv["tools"] or None,
+                                         tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_checkpoint_layout_and_special_tokens(tokenizer, target, drafter):
+    assert model_drafter_dir(embedded_model_dir()) is not None
+    assert target.config.vocab_size == len(tokenizer)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token_id == im_end
+    assert im_end in target.config.eos_token_ids
+    assert drafter.config.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>")
+    assert drafter.config.block_size == 16
+    for tag in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
+        assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) == 1
+
+
+@pytest.mark.parametrize("conv", conversations(), ids=lambda c: c["id"])
+def test_chat_template_round_trips_tool_calls(tokenizer, conv):
+    text = tokenizer.apply_chat_template(conv["messages"], tools=conv["tools"] or None,
+                                         tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text  # byte-level: lossless, tool tags kept
+    calls = [tc["function"] for m in conv["messages"] for tc in m.get("tool_calls") or []]
+    turns = text.split("<|im_end|>", 1)[1] if conv["tools"] else text  # past the tool list
+    parsed = [json.loads(block) for block in TOOL_CALL.findall(turns)]
+    assert parsed == [{"name": c["name"], "arguments": c["arguments"]} for c in calls]
+    for tool in conv["tools"]:
+        assert json.dumps(tool, ensure_ascii=False) in text
+    results = [m["content"] for m in conv["messages"] if m["role"] == "tool"]
+    for r in results:
+        assert f"<tool_response>\n{r}\n</tool_response>" in text
+
+
+def test_transformers_loads_the_target_and_agrees(tokenizer, target):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(embedded_model_dir()), dtype=torch.float32)
+    ids = prompt_ids(tokenizer, conversations()[0])
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1]
+    (done,) = Engine(target).generate([ids], SamplingParams(max_new_tokens=1))
+    assert done.output_ids == [int(want.argmax())]
+
+
+def run(engine: Engine, prompts: list[list[int]], n: int):
+    return engine.generate(prompts, SamplingParams(max_new_tokens=n))
+
+
+def mean_tau(done) -> float:
+    taus = [t for c in done for t in c.counters.acceptance_lengths]
+    return sum(taus) / len(taus)
+
+
+def test_dflash_greedy_equals_plain_and_beats_a_random_drafter(tokenizer, target, drafter):
+    prompts = [prompt_ids(tokenizer, c) for c in conversations()]
+    plain = run(Engine(target), prompts, 48)
+    spec = run(Engine(target, drafter=drafter, spec=SpecConfig(16)), prompts, 48)
+    assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+    c = drafter.config
+    fresh = init_drafter(target.config, 16, c.num_hidden_layers, list(c.target_layer_ids),
+                         c.mask_token_id, seed=0)
+    rand = run(Engine(target, drafter=fresh, spec=SpecConfig(16)), prompts, 48)
+    assert [c.output_ids for c in rand] == [c.output_ids for c in plain]
+    trained, random_tau = mean_tau(spec), mean_tau(rand)
+    print(f"mean tau: trained {trained:.2f}, random {random_tau:.2f}")
+    # A random drafter's guesses are essentially never accepted; the shipped one's are, often
+    # (docs/embedded-model.md: mean tau 1.56 on the test split; the goal of 4 is not met yet).
+    assert random_tau < 1.05
+    assert trained > random_tau + 0.3, (trained, random_tau)
+
+
+def test_turn_two_reuses_the_cached_conversation(tokenizer, target, drafter):
+    conv = conversations()[3]  # multi-turn, with tool results
+    engine = Engine(target, CacheConfig(16, 512), drafter=drafter, spec=SpecConfig(16))
+    first = prompt_ids(tokenizer, {**conv, "messages": conv["messages"][:2]})
+    (a,) = engine.generate([first], SamplingParams(max_new_tokens=16))
+    second = prompt_ids(tokenizer, conv)
+    assert second[:len(first)] == first
+    (b,) = engine.generate([second], SamplingParams(max_new_tokens=16))
+    assert b.counters.cached_tokens >= len(first) // 16 * 16
+    assert b.counters.cached_tokens + b.counters.prefill_tokens == len(second)

@@ -1,0 +1,62 @@
+"""Drafter training or evaluation prompts from the corpus: one line per assistant turn.
+
+    python tools/drafter_data.py --corpus corpus/train.jsonl --tokenizer model/ --out prompts.jsonl
+
+Each line is an `Example` (JSONL `{"input_ids", "loss_mask"}`): the conversation up to an
+assistant turn (loss_mask 0) followed by the corpus's reply (loss_mask 1). Feed it to
+`tools/train_drafter.py --data prompts.jsonl --regenerate`, which keeps each prompt and replaces
+the reply by the target's own greedy one (the spec trains drafters on target-regenerated
+responses). At most --per-conversation turns are taken from each conversation, chosen with the
+seed, and prompts longer than --max-prompt tokens are dropped, so that prompt+reply fits the
+model's context. --per-source balances the sources (BFCL categories, stdlib code and prose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from transformers import AutoTokenizer
+
+from agentflash.engine.models.dflash_train import Example, write_jsonl
+from corpus import Tokenized, read_conversations
+
+
+def examples(corpus: str, tokenizer_dir: str, per_conversation: int, max_prompt: int,
+             per_source: int | None, seed: int) -> list[Example]:
+    enc = Tokenized(AutoTokenizer.from_pretrained(tokenizer_dir))
+    rng = random.Random(seed)
+    conversations = read_conversations(corpus)
+    rng.shuffle(conversations)
+    out: list[Example] = []
+    taken: dict[str, int] = {}
+    for conv in conversations:
+        if per_source is not None and taken.get(conv["source"], 0) >= per_source:
+            continue
+        prompts = [p for p in enc.prompts(conv) if len(p.ids) <= max_prompt]
+        for p in rng.sample(prompts, min(per_conversation, len(prompts))):
+            out.append(Example(p.ids + p.reply, [0] * len(p.ids) + [1] * len(p.reply)))
+            taken[conv["source"]] = taken.get(conv["source"], 0) + 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--corpus", required=True, help="a split from tools/build_corpus.py")
+    p.add_argument("--tokenizer", required=True, help="model or tokenizer directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--per-conversation", type=int, default=2)
+    p.add_argument("--max-prompt", type=int, default=3584)
+    p.add_argument("--per-source", type=int, help="examples per corpus source at most")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    data = examples(args.corpus, args.tokenizer, args.per_conversation, args.max_prompt,
+                    args.per_source, args.seed)
+    write_jsonl(args.out, data)
+    lens = sorted(len(e.input_ids) for e in data)
+    print(f"{len(data)} examples; tokens median {lens[len(lens) // 2]}, max {lens[-1]}, "
+          f"total {sum(lens)}")
+
+
+if __name__ == "__main__":
+    main()
