@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                      spec=SpecConfig(args.block_size))
         runs = [run_one(rnd, pr.ids, params) for pr in prompts[: args.random_baseline]]
         report["random_drafter"] = summarize_acceptance(runs, args.block_size)
-    print(json.dumps({k: v for k, v in report.items()}, indent=1))
+    print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
