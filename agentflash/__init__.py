@@ -1,3 +1,12 @@
 """agentflash: an in-process runtime that makes LLM agent loops fast."""
 
+from .agent import (Agent, Event, MaxStepsError, RunResult, Step, StepEvent, TextEvent, ToolCall,
+                    ToolCallEvent, ToolResult, ToolResultEvent)
+from .runtime import Runtime
+from .tool import Tool, tool
+from .usage import Usage
+
 __version__ = "0.1.0"
+__all__ = ["Agent", "Event", "MaxStepsError", "RunResult", "Runtime", "Step", "StepEvent",
+           "TextEvent", "Tool", "ToolCall", "ToolCallEvent", "ToolResult", "ToolResultEvent",
+           "Usage", "tool"]

@@ -1,4 +1,4 @@
-"""The `agentflash` command line: `generate` (and more as the SDK grows)."""
+"""The `agentflash` command line: `demo` (an agent task on the embedded model) and `generate`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
 
+from .errors import AgentflashError
 from .embedded import EMBEDDED_MODEL, model_drafter_dir, resolve_model
 from .tokenizer import load_tokenizer
 
@@ -153,9 +154,37 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run a multi-turn agent task with real tools, timed with "
+                       "and without speculation and KV reuse")
+    p.add_argument("--model", default=None,
+                   help=f"Hugging Face model directory (default: the embedded {EMBEDDED_MODEL})")
+    p.add_argument("--no-draft", action="store_true", help="no speculative decoding")
+    p.add_argument("--max-tokens", type=int, default=96, help="per model step")
+    p.add_argument("--max-steps", type=int, default=3, help="model steps per user message")
+    p.add_argument("--no-compare", action="store_true",
+                   help="only the main run (skip the runs without speculation / KV reuse)")
+    p.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import anyio
+
+    from .demo import demo
+    from .runtime import Runtime
+
+    rt = Runtime.load(args.model, draft=False if args.no_draft else None)
+    try:
+        print(anyio.run(demo, rt, args.max_tokens, args.max_steps, not args.no_compare))
+    finally:
+        rt.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
     _add_generate(sub)
     return parser
 
@@ -164,6 +193,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (EngineError, ValueError) as e:
+    except (EngineError, AgentflashError, ValueError) as e:
         print(f"agentflash: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence as Seq
 import torch
 
 from .config import CacheConfig, SchedulerConfig, SpecConfig
+from .constraint import TokenConstraint, masked, propose, settle
 from .errors import ContextLengthError, RequestError
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
@@ -138,11 +139,15 @@ class Engine:
         pin: bool = False,
         speculative: bool = True,
         trace: bool = False,
+        constraint: TokenConstraint | None = None,
+        reuse: bool = True,
     ) -> int:
         """Queue a request; returns its sequence id. Raises on input that can never run.
 
         speculative=False decodes this request token by token even with a drafter loaded;
-        trace=True records every drafted block in `counters.drafts`."""
+        trace=True records every drafted block in `counters.drafts`; a `constraint` (a grammar
+        matcher at its start state) restricts every generated token, drafts included;
+        reuse=False computes the whole prompt even where the prefix cache holds it."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise RequestError("prompt is empty")
@@ -158,7 +163,9 @@ class Engine:
         if params.stop and self.detokenize is None:
             raise RequestError("stop strings need a tokenizer; this engine has none")
         seq = Sequence(next(self._ids), prompt, params, self.max_model_len, pin=pin,
-                       block_size=self.block_size if speculative else 1)
+                       reuse=reuse, block_size=self.block_size if speculative else 1)
+        seq.constraint = constraint
+        seq.counters.submitted_at = time.perf_counter()
         if trace:
             seq.counters.drafts = []
         # even with its whole prompt cached and every unpinned page evicted
@@ -172,7 +179,7 @@ class Engine:
         return seq.id
 
     def abort(self, seq_id: int) -> None:
-        """Stop a sequence now; what it computed stays cached (unpinned)."""
+        """Stop a sequence now; what it computed stays cached, never pinned."""
         seq = self._seqs.get(seq_id)
         if seq is not None and seq.status is not Status.FINISHED:
             seq.finish_reason = "abort"
@@ -184,6 +191,14 @@ class Engine:
 
     def unpin(self, pin: Pin) -> None:
         self.kv.unpin(pin)
+
+    def clear_cache(self) -> int:
+        """Evict every cached page no live sequence or pin holds; returns pages freed."""
+        return self.kv.evict(self.kv.stats()["pages_total"])
+
+    def share_pin(self, pin: Pin) -> Pin:
+        """Another pin on `pin`'s cached prefix (for a forked session)."""
+        return self.kv.share(pin)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -203,11 +218,26 @@ class Engine:
         verify = [item for item in items if item.verifies]
         if verify:
             t0 = time.perf_counter()
-            drafts = self.runner.draft(verify, self.block_size).tolist()
+            logits = self.runner.draft(verify, self.block_size)
+            drafts = logits.argmax(-1).tolist()
             self.counters.draft_s += time.perf_counter() - t0
             self.counters.draft_forwards += 1
-            for item, proposal in zip(verify, drafts):
-                item.draft = proposal[: item.num_tokens - 1]
+            for i, item in enumerate(verify):
+                n = item.num_tokens - 1
+                if item.seq.constraint is None:
+                    item.draft = drafts[i][:n]
+                    continue
+                t_grammar = time.perf_counter()
+                try:
+                    item.draft, item.masks = propose(item.seq.constraint, logits[i, :n].float())
+                    item.seq.counters.grammar_s += time.perf_counter() - t_grammar
+                except RequestError as e:
+                    updates.append(self._fail(item.seq, e))
+                    items.remove(item)
+                    continue
+                item.num_tokens = len(item.draft) + 1
+            if not items:
+                return updates
         t0 = time.perf_counter()
         out = self.runner.forward(items)
         self.counters.target_s += time.perf_counter() - t0
@@ -219,8 +249,12 @@ class Engine:
         for item, (row, count) in zip(items, out.rows):
             self._count(item)
             if count:
-                updates.append(self._commit(item, out.logits[row:row + count],
-                                            argmax[row:row + count]))
+                try:
+                    update = self._commit(item, out.logits[row:row + count],
+                                          argmax[row:row + count])
+                except RequestError as e:  # the sequence's constraint failed; nothing committed
+                    update = self._fail(item.seq, e)
+                updates.append(update)
         self.counters.step_s += time.perf_counter() - t_step
         return updates
 
@@ -241,6 +275,13 @@ class Engine:
         seq = item.seq
         params = seq.params
         draft = item.draft or []
+        constraint = seq.constraint
+        t_grammar = time.perf_counter()
+        if constraint is not None:
+            masks = item.masks if item.verifies else [constraint.allowed()]
+            logits = torch.stack([masked(row, mask) for row, mask in zip(logits, masks)])
+            argmax = logits.argmax(-1).tolist()
+            seq.counters.grammar_s += time.perf_counter() - t_grammar
         if item.verifies:
             if params.greedy:
                 verdict = greedy_accept(draft, argmax)
@@ -249,8 +290,16 @@ class Engine:
         else:
             token = argmax[0] if params.greedy else sample_row(logits[0], params, seq.generator)
             verdict = Verdict(0, token)
-        kept = seq.append(draft[: verdict.accepted] + [verdict.bonus], self.eos_ids,
-                          self.detokenize)
+        tokens = draft[: verdict.accepted] + [verdict.bonus]
+        if constraint is not None:
+            t_grammar = time.perf_counter()
+            tokens = tokens[: settle(constraint, len(draft), tokens)]
+            seq.counters.grammar_s += time.perf_counter() - t_grammar
+        if not seq.output_ids:
+            seq.counters.first_token_at = time.perf_counter()
+        kept = seq.append(tokens, self.eos_ids, self.detokenize)
+        if constraint is not None and constraint.is_terminated() and seq.finish_reason is None:
+            seq.finish_reason = "stop"
         # KV stays valid for the anchor and accepted drafts only (and never past the last token)
         self.kv.truncate(seq.kv, min(seq.kv.length, seq.num_tokens - 1))
         update = SeqUpdate(seq.id, seq.output_ids[len(seq.output_ids) - kept:])
@@ -273,15 +322,23 @@ class Engine:
             update = self._finish(seq, update)
         return update
 
+    def _fail(self, seq: Sequence, error: Exception) -> SeqUpdate:
+        """Finish `seq` with an error, keeping (cached) only the KV of its committed tokens."""
+        if seq.kv is not None:
+            self.kv.truncate(seq.kv, min(seq.kv.length, seq.num_tokens - 1))
+        seq.error, seq.finish_reason = error, "error"
+        return self._finish(seq)
+
     def _finish(self, seq: Sequence, update: SeqUpdate | None = None) -> SeqUpdate:
         pin = None
         if seq.kv is not None:
             self.kv.cache(seq.kv, seq.tokens)
-            if seq.pin and seq.error is None:
+            if seq.pin and seq.error is None and seq.finish_reason != "abort":
                 pin = self.kv.pin(seq.kv)
             self.kv.release(seq.kv)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
+        seq.counters.finished_at = time.perf_counter()
         self.counters.cached_tokens += seq.counters.cached_tokens
         del self._seqs[seq.id]
         self._done[seq.id] = Completion(

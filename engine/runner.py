@@ -84,7 +84,8 @@ class ModelRunner:
     @torch.inference_mode()
     def draft(self, items: list[BatchItem], block_size: int) -> torch.Tensor:
         """One drafter forward for the verify items: block [anchor, MASK x (B-1)] at positions
-        start .. start+B-1 over each sequence's cached drafter context. Returns drafts [N, B-1]."""
+        start .. start+B-1 over each sequence's cached drafter context. Returns the drafter's logits
+        [N, B-1, V] for the B-1 draft positions."""
         assert self.drafter is not None and self.draft_layers is not None
         cfg = self.drafter.config
         ids, positions, page_tables, ctx_lens = [], [], [], []
@@ -102,4 +103,4 @@ class ModelRunner:
         block = self.drafter.embed_block(self.model, torch.tensor(ids, device=self.device))
         hidden = self.drafter(block, torch.tensor(positions, device=self.device), attn)
         hidden = hidden.view(len(items), block_size, -1)[:, 1:]
-        return self.drafter.logits(self.model, hidden).argmax(-1)
+        return self.drafter.logits(self.model, hidden)

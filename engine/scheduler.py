@@ -8,8 +8,11 @@ not fit even with every unpinned page evicted fails with KVPoolExhaustedError in
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import torch
 
 from .config import SchedulerConfig
 from .errors import KVPoolExhaustedError
@@ -23,11 +26,13 @@ class BatchItem:
 
     A verify item (num_tokens > 1 on a sequence past its prompt) feeds the sequence's last token
     (the anchor) followed by `draft`, the drafter's proposals, which the engine fills in.
-    Everything is fixed when the item is made, before the forward moves the sequence on."""
+    Everything is fixed when the item is made, before the forward moves the sequence on, except
+    that a constrained block shrinks when its grammar terminates inside the drafts."""
 
     seq: Sequence
     num_tokens: int
     draft: list[int] | None = None
+    masks: list[torch.Tensor] | None = None  # constrained verify: allowed tokens per block row
     start: int = field(init=False)
     verifies: bool = field(init=False)
     samples: bool = field(init=False)   # yields the sequence's next token(s)
@@ -101,11 +106,12 @@ class Scheduler:
         return items, failed
 
     def _admit(self, seq: Sequence) -> tuple[bool, Exception | None]:
-        kv = self.kv.begin(seq.prompt_ids, max_cached=len(seq.prompt_ids) - 1)
+        kv = self.kv.begin(seq.prompt_ids, max_cached=len(seq.prompt_ids) - 1 if seq.reuse else 0)
         if self.kv.reserve(kv, seq.budget):
             seq.kv = kv
             seq.status = Status.RUNNING
             seq.counters.cached_tokens = kv.length
+            seq.counters.admitted_at = time.perf_counter()
             return True, None
         cached = kv.length
         self.kv.release(kv)  # (resets kv)

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from .constraint import TokenConstraint
 from .kv.manager import SeqKV
 from .sampler import SamplingParams
 
@@ -33,6 +34,12 @@ class SeqCounters:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per verify
     accepted_per_position: list[int] = field(default_factory=list)  # index k: draft k accepted
     drafts: list[list[int]] | None = None  # proposals per step, when tracing
+    # time.perf_counter() stamps: submitted, admitted (KV reserved), first token, finished
+    submitted_at: float = 0.0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    grammar_s: float = 0.0            # time spent in the output constraint (masks, matcher)
 
     @property
     def acceptance_histogram(self) -> dict[int, int]:
@@ -52,11 +59,13 @@ class Sequence:
     params: SamplingParams
     max_len: int                      # context limit for prompt + output
     pin: bool = False                 # keep the finished sequence's KV pinned (live sessions)
+    reuse: bool = True                # start from the longest cached prefix of the prompt
     block_size: int = 1               # > 1: speculative (anchor + block_size-1 drafts per step)
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     kv: SeqKV | None = None
     generator: torch.Generator | None = None
+    constraint: TokenConstraint | None = None  # grammar every generated token must follow
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: Exception | None = None
     counters: SeqCounters = field(default_factory=SeqCounters)

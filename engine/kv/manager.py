@@ -175,6 +175,15 @@ class KVManager:
         self._pins.add(pin)
         return pin
 
+    def share(self, pin: Pin) -> Pin:
+        """A second pin on the same cached prefix (a forked session); unpinned separately."""
+        if not pin.active:
+            raise ValueError("pin was released")
+        shared = Pin(pin.node)
+        self.radix.lock(shared.node)
+        self._pins.add(shared)
+        return shared
+
     def unpin(self, pin: Pin) -> None:
         if pin.active:
             pin.active = False

@@ -1,0 +1,430 @@
+"""Agent: the loop user -> model -> tools -> model, over one KV-resident session.
+
+An agent holds a conversation and the token list the model really saw (agentflash/chat.py). Each
+step renders only the messages added since the last reply, so the runtime's prefix cache serves
+the rest; the session's KV stays pinned between steps and while tools run. Tool calls and
+`output_type` output are constrained by xgrammar inside the speculative loop
+(agentflash/structured.py), so calls parse and validate by construction.
+
+Failure never corrupts the conversation: a step that raises or is cancelled leaves the agent as it
+was before the step (its input message included), and releases the KV its generation held.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Sequence
+
+import anyio
+import pydantic
+
+from agentflash.engine.kv.manager import Pin
+from agentflash.engine.sampler import SamplingParams
+
+from .errors import (AgentClosedError, AgentflashError, MissingToolResultError,
+                     OutputValidationError, ToolDefinitionError, ToolSchemaError)
+from .runtime import Runtime
+from .structured import OutputSpec
+from .tool import Tool, as_tool
+from .toolcall_parser import MalformedToolCall, TextDelta, ToolCallParser
+from .usage import Usage
+
+TOOL_CHOICES = ("auto", "required", "none")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    call_id: str
+    name: str
+    content: str                     # what the model sees
+    error: str | None = None         # None | "invalid_arguments" | "exception" | "timeout" |
+    elapsed_s: float = 0.0           # "unknown_tool"
+
+
+@dataclass
+class Step:
+    """One model turn and the tools it ran."""
+
+    message: str                                 # the reply's text, tool calls removed
+    tool_calls: list[ToolCall]
+    tool_results: list[ToolResult]               # none for schema-only tools (caller supplies)
+    output: Any                                  # final step: output_type instance (or text)
+    is_final: bool
+    usage: Usage
+    finish_reason: str                           # "stop" | "length"
+    malformed_calls: list[MalformedToolCall] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    output: Any
+    steps: list[Step]
+    pending_tool_calls: list[ToolCall] = field(default_factory=list)  # awaiting add_tool_result
+
+    @property
+    def usage(self) -> Usage:
+        return Usage.sum([s.usage for s in self.steps])
+
+
+# ---- stream events ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TextEvent:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallEvent:
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class ToolResultEvent:
+    result: ToolResult
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    step: Step
+
+
+Event = TextEvent | ToolCallEvent | ToolResultEvent | StepEvent
+
+
+class MaxStepsError(AgentflashError):
+    """A run reached max_steps without a final output; `.steps` holds what was done."""
+
+    def __init__(self, message: str, steps: list[Step]) -> None:
+        super().__init__(message)
+        self.steps = steps
+
+
+class Agent:
+    """A conversation with tools on a `Runtime`. Steps of one agent run one at a time; many
+    agents on one runtime run concurrently and are batched together by the engine."""
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        instructions: str | None = None,
+        tools: Sequence[Tool | Callable[..., Any] | dict[str, Any]] = (),
+        output_type: Any = None,
+        tool_choice: str = "auto",
+        temperature: float = 0.0,
+        max_tokens: int = 512,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        speculative: bool = True,
+        constrained: bool = True,
+        reuse_kv: bool = True,
+        name: str | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.id = next(Agent._ids)
+        self.name = name or f"agent-{self.id}"
+        self.tools = {t.name: t for t in map(as_tool, tools)}
+        if len(self.tools) != len(tools):
+            raise ToolDefinitionError("tool names must be unique")
+        if tool_choice not in TOOL_CHOICES and tool_choice not in self.tools:
+            raise ToolDefinitionError(
+                f"tool_choice {tool_choice!r} is none of {TOOL_CHOICES} nor a tool's name")
+        self.tool_choice = tool_choice
+        self.output_type = output_type
+        self._output, self._output_schema = _output_adapter(output_type)
+        self.params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                     max_new_tokens=max_tokens)
+        self.speculative = speculative
+        self.constrained = constrained   # False: raw model output, calls parsed as they come
+        self.reuse_kv = reuse_kv         # False: every step recomputes its whole prompt
+        self.messages: list[dict[str, Any]] = (
+            [{"role": "system", "content": instructions}] if instructions else [])
+        self._schemas = [t.openai_schema() for t in self.tools.values()]
+        self._session: list[int] | None = None   # tokens the model saw, ending with its reply
+        self._replied = 0                         # messages the session covers
+        self._pending: dict[str, ToolCall] = {}   # schema-only calls awaiting results
+        self._calls = itertools.count()
+        self._closed = False
+        self._busy = False
+        self._held: list[Pin | None] = [None]     # the session's pin (shared with the finalizer)
+        self._finalizer = weakref.finalize(self, _unpin, runtime, self._held)
+        for choice in ({"auto", tool_choice} if self.tools else {"none"}):
+            runtime.grammars.constraint(self._spec(choice))  # malformed schemas fail here
+
+    # ---- public ---------------------------------------------------------------------------
+
+    async def step(self, message: str | None = None) -> Step:
+        """One model turn on `message` (or on the tool results added since the last step),
+        then the tools it called. Raises on bad input; the agent is then unchanged."""
+        step = None
+        async for event in self._step(message):
+            if isinstance(event, StepEvent):
+                step = event.step
+        assert step is not None
+        return step
+
+    async def run(self, message: str, max_steps: int = 8) -> RunResult:
+        """Steps until a final output (no tool calls), or until calls need results from the
+        caller (schema-only tools: see `pending_tool_calls`)."""
+        steps: list[Step] = []
+        async for event in self.stream(message, max_steps):
+            if isinstance(event, StepEvent):
+                steps.append(event.step)
+        last = steps[-1]
+        return RunResult(last.output, steps, list(self._pending.values()))
+
+    async def stream(self, message: str, max_steps: int = 8) -> AsyncIterator[Event]:
+        """Like `run`, yielding text deltas, tool calls, tool results and each finished step
+        (with its usage) as they happen."""
+        steps: list[Step] = []
+        next_message: str | None = message
+        while True:
+            async for event in self._step(next_message):
+                if isinstance(event, StepEvent):
+                    steps.append(event.step)
+                yield event
+            next_message = None
+            if steps[-1].is_final or self._pending:
+                return
+            if len(steps) >= max_steps:
+                raise MaxStepsError(f"no final output after {max_steps} steps", steps)
+
+    def add_tool_result(self, call_id: str, content: str) -> None:
+        """Supply the result of a call to a schema-only tool (before the next step)."""
+        call = self._pending.pop(call_id, None)
+        if call is None:
+            raise MissingToolResultError(f"no pending tool call with id {call_id!r}")
+        self.messages.append(_tool_message(ToolResult(call.id, call.name, content)))
+
+    @property
+    def pending_tool_calls(self) -> list[ToolCall]:
+        return list(self._pending.values())
+
+    def fork(self) -> Agent:
+        """A copy of this agent that shares the KV of the conversation so far (copy-on-write)
+        and diverges independently from here."""
+        self._check_open()
+        child = copy.copy(self)
+        child.id = next(Agent._ids)
+        child.name = f"{self.name}.fork-{child.id}"
+        child.messages = copy.deepcopy(self.messages)
+        child._session = list(self._session) if self._session is not None else None
+        child._pending = dict(self._pending)
+        child._calls = itertools.count(next(copy.copy(self._calls)))
+        child._held = [self.runtime.share_pin(self._held[0])]
+        child._finalizer = weakref.finalize(child, _unpin, self.runtime, child._held)
+        self.runtime.keep(child._held[0])
+        return child
+
+    async def close(self) -> None:
+        """Release the session's KV. The agent cannot step afterwards."""
+        self._closed = True
+        self._finalizer()
+
+    async def __aenter__(self) -> Agent:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def _spec(self, tool_choice: str) -> OutputSpec:
+        return OutputSpec(tuple(self._schemas), tool_choice, self._output_schema,
+                          self.runtime.chat.call_format)
+
+    async def _step(self, message: str | None) -> AsyncIterator[Event]:
+        self._check_open()
+        if self._busy:
+            raise AgentflashError("a step of this agent is already running")
+        if self._pending:
+            raise MissingToolResultError(
+                f"tool calls {sorted(self._pending)} wait for results: call add_tool_result "
+                "for each before the next step")
+        rt, chat = self.runtime, self.runtime.chat
+        saved = (len(self.messages), self._session, self._replied)
+        self._busy = True
+        t0 = time.perf_counter()
+        committed = False
+        try:
+            if message is not None:
+                self.messages.append({"role": "user", "content": message})
+            # tool_choice applies to the reply to a user message; after tool results, "auto"
+            # (a forced call on every step would never end)
+            constraint = rt.grammars.constraint(
+                self._spec(self.tool_choice if message is not None else "auto")
+            ) if self.constrained else None
+            prompt = chat.prompt(self._session, self._replied, self.messages, self._schemas)
+            gen = rt.generate(prompt, self.params, pin=self.reuse_kv,
+                              speculative=self.speculative, constraint=constraint,
+                              reuse=self.reuse_kv)
+            parser = ToolCallParser(chat.call_format)
+            detok = _Detokenizer(chat.decode, rt.eos_ids)
+            output: list[int] = []
+            async for update in gen:
+                output.extend(update.new_token_ids)
+                for event in parser.feed(detok.add(update.new_token_ids)):
+                    if isinstance(event, TextDelta) and event.text:
+                        yield TextEvent(event.text)
+            done = gen.completion
+            assert done is not None
+            if done.error is not None:
+                raise done.error
+            # the reply is part of the conversation from here on
+            committed = True
+            self._swap_pin(done.pin)
+            reply_ids = output if output and output[-1] in rt.eos_ids else output + [chat.eos_token_id]
+            self._session = prompt + reply_ids
+            parser.feed(detok.flush())
+            tail = parser.finish()
+            calls = [ToolCall(f"call_{next(self._calls)}", c.name, c.arguments)
+                     for c in parser.calls]
+            malformed = [e for e in tail if isinstance(e, MalformedToolCall)]
+            text = parser.text.strip()
+            for call in calls:
+                yield ToolCallEvent(call)
+            self.messages.append(_assistant_message(text, calls))
+            self._replied = len(self.messages)
+            t_tools = time.perf_counter()
+            results = await self._run_tools(calls)
+            tool_s = time.perf_counter() - t_tools
+            for result in results:
+                self.messages.append(_tool_message(result))
+                yield ToolResultEvent(result)
+            is_final = not calls
+            usage = Usage.from_counters(
+                done.counters, len(prompt), len(output), rt.target_params, rt.draft_params,
+                rt.engine.block_size, str(rt.engine.device), tool_s, time.perf_counter() - t0)
+            out = self._final_output(text, done.finish_reason) if is_final else None
+            yield StepEvent(Step(text, calls, results, out, is_final, usage,
+                                 done.finish_reason, malformed))
+        except BaseException:
+            if not committed:
+                del self.messages[saved[0]:]
+                self._session, self._replied = saved[1], saved[2]
+            raise
+        finally:
+            self._busy = False
+            if 'gen' in locals():
+                gen.cancel()  # no-op once finished; otherwise frees what it holds
+
+    async def _run_tools(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """Run the calls' tools concurrently; results in call order. Calls to schema-only tools
+        are left pending for the caller."""
+        results: dict[str, ToolResult] = {}
+
+        async def run(call: ToolCall, tool: Tool) -> None:
+            outcome = await tool.execute(call.arguments)
+            results[call.id] = ToolResult(call.id, call.name, outcome.content, outcome.error,
+                                          outcome.elapsed_s)
+
+        async with anyio.create_task_group() as tg:
+            for call in calls:
+                tool = self.tools.get(call.name)
+                if tool is None:
+                    results[call.id] = ToolResult(
+                        call.id, call.name, f"Error: unknown tool {call.name!r}; available: "
+                        f"{', '.join(self.tools) or 'none'}", "unknown_tool")
+                elif tool.fn is None:
+                    self._pending[call.id] = call
+                else:
+                    tg.start_soon(run, call, tool)
+        return [results[c.id] for c in calls if c.id in results]
+
+    def _final_output(self, text: str, finish_reason: str) -> Any:
+        if self._output is None:
+            return text
+        try:
+            return self._output.validate_json(text)
+        except pydantic.ValidationError as e:
+            hint = " (the reply hit max_tokens)" if finish_reason == "length" else ""
+            raise OutputValidationError(
+                f"the final output does not validate as {self.output_type!r}{hint}: {e}"
+            ) from None
+
+    def _swap_pin(self, pin: Pin | None) -> None:
+        old, self._held[0] = self._held[0], pin
+        self.runtime.unpin(old)
+        if self._closed:
+            self._finalizer()
+        else:
+            self.runtime.keep(pin)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AgentClosedError(f"{self.name} is closed")
+
+
+class _Detokenizer:
+    """Text of a growing token list, emitted as deltas that never split a character."""
+
+    def __init__(self, decode: Callable[[list[int]], str], skip: frozenset[int]) -> None:
+        self._decode, self._skip = decode, skip
+        self._ids: list[int] = []
+        self._text = ""
+
+    def add(self, ids: list[int]) -> str:
+        self._ids.extend(i for i in ids if i not in self._skip)
+        text = self._decode(self._ids)
+        if text.endswith("\ufffd"):   # an incomplete UTF-8 sequence: wait for its rest
+            return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        return self._emit(self._decode(self._ids))
+
+    def _emit(self, text: str) -> str:
+        delta = text[len(self._text):] if text.startswith(self._text) else ""
+        self._text = text if text.startswith(self._text) else self._text
+        return delta
+
+
+def _output_adapter(output_type: Any) -> tuple[pydantic.TypeAdapter | None, dict | None]:
+    """The validator and JSON schema of an output type (None: free text)."""
+    if output_type is None:
+        return None, None
+    try:
+        adapter = pydantic.TypeAdapter(output_type)
+        return adapter, adapter.json_schema()
+    except (pydantic.PydanticUserError, TypeError) as e:
+        raise ToolSchemaError(f"output_type {output_type!r} has no JSON schema: {e}") from None
+
+
+def _assistant_message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return message
+
+
+def _tool_message(result: ToolResult) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": result.call_id, "name": result.name,
+            "content": result.content}
+
+
+def _unpin(runtime: Runtime, held: list[Pin | None]) -> None:
+    pin, held[0] = held[0], None
+    try:
+        runtime.unpin(pin)
+    except AgentClosedError:
+        pass  # the runtime is gone, and its pool with it
+
+
+__all__ = ["Agent", "Step", "RunResult", "ToolCall", "ToolResult", "TextEvent", "ToolCallEvent",
+           "ToolResultEvent", "StepEvent", "Event", "MaxStepsError"]

@@ -1,0 +1,91 @@
+"""Token constraints inside the (speculative) decode loop: the protocol and the two walks.
+
+A `TokenConstraint` is a per-sequence state machine over token ids (a grammar matcher: JSON
+schema, tool-call format). The engine never imports a grammar library; the agent layer adapts
+one (agentflash/grammar.py adapts xgrammar) to this protocol.
+
+Speculation and constraints meet in two places:
+- `propose`: before the verify forward, the drafter's logits are masked position by position
+  while the matcher advances through its own proposals, so every draft is grammatical and each
+  verify row gets the mask of the state it is judged in (row k: after anchor + d_1..d_k).
+- `settle` (at commit): the matcher rolls back the rejected drafts and accepts the bonus token.
+
+Every committed token is the masked target's choice at its state, exactly as in token-by-token
+constrained decoding, so constrained greedy output is identical with and without speculation.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .errors import RequestError
+
+
+class TokenConstraint(Protocol):
+    """What the engine needs from a grammar matcher. Called on the engine thread only."""
+
+    def allowed(self) -> torch.Tensor:
+        """Bool mask [vocab] of the tokens allowed next."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance by one token; False (state unchanged) if the token is not allowed."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and its stop token was accepted."""
+        ...
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits [..., V] with disallowed tokens at -inf (the mask may be shorter than V: tokens
+    past it, e.g. a model's padded vocabulary, are disallowed)."""
+    if not bool(allowed.any()):
+        raise RequestError("the output constraint allows no next token")
+    out = torch.full_like(logits, float("-inf"))
+    n = min(allowed.shape[-1], logits.shape[-1])
+    keep = allowed[..., :n].to(logits.device)
+    out[..., :n] = torch.where(keep, logits[..., :n], out[..., :n])
+    return out
+
+
+def propose(
+    constraint: TokenConstraint, draft_logits: torch.Tensor
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Grammatical drafts from drafter logits [n, V], advancing the matcher through them.
+
+    Returns (drafts, masks): masks[k] is the allowed set after drafts[:k] (len(drafts) + 1 masks;
+    the last judges the bonus row). Drafting stops early when the grammar terminates."""
+    drafts: list[int] = []
+    masks = [constraint.allowed()]
+    for row in draft_logits:
+        if constraint.is_terminated():
+            break
+        token = int(masked(row, masks[-1]).argmax())
+        if not constraint.accept(token):
+            raise RequestError(f"the output constraint rejected token {token} it allowed")
+        drafts.append(token)
+        # after termination nothing more is committed: the last row's mask is never consulted
+        done = constraint.is_terminated()
+        masks.append(torch.ones_like(masks[0]) if done else constraint.allowed())
+    return drafts, masks
+
+
+def settle(constraint: TokenConstraint, drafted: int, tokens: list[int]) -> int:
+    """After verification: roll back from `drafted` advanced drafts to the `len(tokens) - 1`
+    accepted ones, then accept the bonus. Returns how many of `tokens` to keep (a token after
+    the grammar's termination is dropped)."""
+    accepted = len(tokens) - 1
+    constraint.rollback(drafted - accepted)
+    for kept, token in enumerate(tokens[accepted:], accepted):
+        if constraint.is_terminated():
+            return kept
+        if not constraint.accept(token):
+            raise RequestError(f"the output constraint rejected token {token} it allowed")
+    return len(tokens)

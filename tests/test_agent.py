@@ -1,0 +1,289 @@
+"""The agent SDK on the embedded model: sessions that keep KV across turns, tools (typed,
+schema-only, failing, slow), constrained tool calls and structured output inside the speculative
+loop, streaming, fork, concurrency, cancellation, and a KV pool left clean afterwards."""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import anyio
+import jsonschema
+import pydantic
+import pytest
+
+from agentflash import Agent, Runtime, StepEvent, TextEvent, ToolCallEvent, tool
+from agentflash.errors import (AgentClosedError, ContextLengthError, MissingToolResultError,
+                               ToolDefinitionError, ToolSchemaError)
+
+SAMPLE = Path(__file__).parent / "data" / "bfcl_sample.jsonl"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def rt():
+    runtime = Runtime.load()
+    yield runtime
+    runtime.close()
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@tool
+def explode(reason: str) -> str:
+    """Always fails."""
+    raise ValueError(f"boom: {reason}")
+
+
+@tool(timeout=0.2)
+async def slow(seconds: int) -> str:
+    """Sleeps far longer than its timeout."""
+    await anyio.sleep(30)
+    return "done"
+
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up in the caller's dictionary.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}},
+                   "required": ["word"]}}}
+
+
+def assert_clean(rt: Runtime) -> None:
+    stats = rt.stats()
+    assert stats["pages_pinned"] == 0 and stats["pages_referenced"] == 0, stats
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    rt._call(rt.engine.kv.check_integrity)
+
+
+def assert_usage_invariants(step) -> None:
+    u = step.usage
+    assert u.prompt_tokens == u.prompt_tokens_details.cached_tokens + \
+        u.compute.prefill_tokens_computed
+    d = u.completion_tokens_details
+    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens == \
+        u.speculative.draft_tokens
+    assert u.timing.ttft_s <= u.timing.total_s and u.timing.tool_s <= u.timing.total_s
+
+
+@pytest.mark.anyio
+async def test_turn_n_prefills_only_its_new_tokens(rt):
+    async with Agent(rt, "You are a helpful assistant.", tools=[add], max_tokens=48) as agent:
+        first = await agent.step("What is 2 plus 3? Use the add tool.")
+        assert [c.name for c in first.tool_calls] == ["add"]
+        call = first.tool_calls[0]
+        assert first.tool_results[0].content == str(call.arguments["a"] + call.arguments["b"])
+        second = await agent.step()            # answers from the tool result
+        third = await agent.step("Thanks. Now add 7 and 8.")
+        for prev, step in ((first, second), (second, third)):
+            # everything the model saw or wrote before is cached except the last token of its
+            # reply (sampled, never fed back)
+            assert step.usage.prompt_tokens_details.cached_tokens == \
+                prev.usage.prompt_tokens + prev.usage.completion_tokens - 1
+            assert step.usage.compute.prefill_tokens_computed < 40
+        for step in (first, second, third):
+            assert_usage_invariants(step)
+        assert rt.stats()["pages_pinned"] > 0
+    assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_constrained_calls_validate_and_speculation_changes_nothing(rt):
+    """A sample of BFCL function schemas (tools/eval_constrained.py runs all of them)."""
+    cases = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+    outputs: dict[tuple[int, bool], list] = {}
+
+    async def one(i: int, speculative: bool) -> None:
+        case = cases[i]
+        async with Agent(rt, tools=case["tools"], tool_choice=case["function"], max_tokens=160,
+                         speculative=speculative) as agent:
+            step = await agent.step(case["question"])
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in case["tools"]}
+        if step.finish_reason == "length":   # the model may ramble inside an argument
+            assert not step.tool_calls
+        else:
+            assert [c.name for c in step.tool_calls][:1] == [case["function"]]
+            assert not step.malformed_calls
+            for c in step.tool_calls:
+                jsonschema.validate(c.arguments, schemas[c.name])
+        outputs[i, speculative] = [step.finish_reason, [(c.name, c.arguments)
+                                                        for c in step.tool_calls]]
+
+    async with anyio.create_task_group() as tg:   # all 20 agents batched together
+        for i in range(len(cases)):
+            for speculative in (True, False):
+                tg.start_soon(one, i, speculative)
+    for i in range(len(cases)):
+        assert outputs[i, True] == outputs[i, False], cases[i]["id"]
+    completed = sum(outputs[i, True][0] == "stop" for i in range(len(cases)))
+    assert completed >= len(cases) // 2
+    assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_structured_output(rt):
+    class City(pydantic.BaseModel):
+        name: str
+        population: int
+
+    async with Agent(rt, "Answer in JSON.", output_type=City, max_tokens=64) as agent:
+        step = await agent.step("Give the largest city of France as JSON.")
+    assert step.is_final and isinstance(step.output, City)
+    assert City.model_validate_json(step.message) == step.output
+
+
+@pytest.mark.anyio
+async def test_stream_yields_text_calls_and_steps(rt):
+    async with Agent(rt, tools=[add], max_tokens=48) as agent:
+        events = [e async for e in agent.stream("Add 4 and 5 with the add tool.", max_steps=2)]
+    steps = [e.step for e in events if isinstance(e, StepEvent)]
+    assert steps[-1].is_final and all(s.tool_calls for s in steps[:-1])
+    calls = [e.call for e in events if isinstance(e, ToolCallEvent)]
+    assert calls == [c for s in steps for c in s.tool_calls]
+    # text arrives in chunks of several tokens at once (speculation) and still matches
+    final_index = events.index(next(e for e in events if isinstance(e, StepEvent)))
+    text = "".join(e.text for e in events[:final_index] if isinstance(e, TextEvent))
+    assert text.strip() == steps[0].message
+
+
+@pytest.mark.anyio
+async def test_failing_slow_and_unknown_tools_become_tool_messages(rt):
+    async with Agent(rt, tools=[explode, slow], tool_choice="explode", max_tokens=48) as agent:
+        step = await agent.step("Explode.")
+        assert step.tool_results[0].error == "exception"
+        assert "ValueError: boom" in agent.messages[-1]["content"]
+    async with Agent(rt, tools=[explode, slow], tool_choice="slow", max_tokens=48) as agent:
+        with anyio.fail_after(10):
+            step = await agent.step("Sleep for 2 seconds.")
+        assert step.tool_results[0].error == "timeout"
+        assert "timed out" in agent.messages[-1]["content"]
+    # unconstrained, the small model calls tools it was never given
+    async with Agent(rt, tools=[add], constrained=False, max_tokens=64) as agent:
+        step = await agent.step("List the files in the current directory.")
+        unknown = [r for r in step.tool_results if r.name not in agent.tools]
+        assert unknown and all(r.error == "unknown_tool" for r in unknown)
+    assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_schema_only_tools_wait_for_the_callers_results(rt):
+    async with Agent(rt, tools=[LOOKUP], tool_choice="lookup", max_tokens=48) as agent:
+        step = await agent.step("Look up the word 'agent'.")
+        assert [c.name for c in step.tool_calls] == ["lookup"] and not step.tool_results
+        assert agent.pending_tool_calls == step.tool_calls
+        before = list(agent.messages)
+        with pytest.raises(MissingToolResultError):
+            await agent.step("And another one?")
+        assert agent.messages == before
+        agent.add_tool_result(step.tool_calls[0].id, "someone who acts")
+        with pytest.raises(MissingToolResultError):
+            agent.add_tool_result("no-such-call", "x")
+        nxt = await agent.step()
+        assert nxt.usage.prompt_tokens_details.cached_tokens > 0
+    assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_fork_shares_the_prefix_and_diverges(rt):
+    parent = Agent(rt, "You are a helpful assistant.", tools=[add], max_tokens=32)
+    first = await parent.step("Add 1 and 2.")
+    child = parent.fork()
+    session = first.usage.prompt_tokens + first.usage.completion_tokens
+    await parent.close()  # the child's pin keeps the shared prefix alive on its own
+    assert rt.stats()["pages_pinned"] > 0
+    a = await child.step("Now add 3 and 4.")
+    assert a.usage.prompt_tokens_details.cached_tokens >= session - 1
+    sibling = child.fork()
+    b = await sibling.step("Instead, say hello.")
+    assert b.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens - 1
+    assert sibling.messages[-len(b.tool_results) - 2]["content"] == "Instead, say hello."
+    assert child.messages[-len(a.tool_results) - 2]["content"] == "Now add 3 and 4."
+    await child.close()
+    await sibling.close()
+    with pytest.raises(AgentClosedError):
+        await child.step("hi")
+    assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_cancelled_step_releases_everything_and_loses_nothing(rt):
+    agent = Agent(rt, tools=[add], max_tokens=400, constrained=False)
+    await agent.step("Add 1 and 2.")
+    before = list(agent.messages)
+    with anyio.move_on_after(0.3) as scope:
+        await agent.step("Write a very long story about the sea.")
+    assert scope.cancelled_caught
+    assert agent.messages == before
+    assert rt.stats()["pages_referenced"] == 0
+    step = await agent.step("Add 5 and 6.")   # the session still works and is still cached
+    assert step.usage.prompt_tokens_details.cached_tokens > 0
+    await agent.close()
+    assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_bad_input_raises_typed_errors_and_leaks_nothing(rt):
+    class NoSchema:
+        pass
+
+    with pytest.raises(ToolSchemaError):
+        Agent(rt, output_type=NoSchema)
+    with pytest.raises(ToolSchemaError):
+        Agent(rt, tools=[{"name": "bad", "parameters": {"type": "array"}}])
+    with pytest.raises(ToolDefinitionError):
+        Agent(rt, tools=[add], tool_choice="subtract")
+    agent = Agent(rt, tools=[add], max_tokens=16)
+    with pytest.raises(ContextLengthError):
+        await agent.step("word " * 5000)
+    assert agent.messages == []
+    await agent.step("Add 1 and 1.")   # still usable
+    del agent                          # garbage collection unpins the session
+    gc.collect()
+    assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_32_concurrent_agents_complete_multi_turn_runs(rt):
+    async def session(i: int) -> None:
+        async with Agent(rt, "You are a helpful assistant.", tools=[add], max_tokens=40) as a:
+            first = await a.step(f"Add {i} and {i + 1} with the add tool.")
+            assert [c.name for c in first.tool_calls] == ["add"]
+            second = await a.step(f"Now add {2 * i} and 3.")
+            assert second.usage.prompt_tokens_details.cached_tokens == \
+                first.usage.prompt_tokens + first.usage.completion_tokens - 1
+            for s in (first, second):
+                assert_usage_invariants(s)
+                for r in s.tool_results:
+                    assert r.error is None
+
+    async with anyio.create_task_group() as tg:
+        for i in range(32):
+            tg.start_soon(session, i)
+    assert_clean(rt)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_runs_under_trio(rt, anyio_backend):
+    async with Agent(rt, tools=[add], max_tokens=32) as agent:
+        result = await agent.run("Add 2 and 2.", max_steps=2)
+    assert result.steps and result.usage.prompt_tokens == sum(
+        s.usage.prompt_tokens for s in result.steps)
+    assert_clean(rt)
+
+
+@pytest.mark.anyio
+async def test_closed_runtime_refuses_new_steps():
+    runtime = Runtime.load(draft=False)
+    agent = Agent(runtime, max_tokens=8)
+    runtime.close()
+    with pytest.raises(AgentClosedError):
+        await agent.step("hello")

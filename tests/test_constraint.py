@@ -1,0 +1,126 @@
+"""Token constraints inside the speculative loop (engine level, a toy grammar on a tiny random
+model): every token obeys the grammar, constrained greedy output is identical with and without
+speculation, sampling stays inside the grammar, and a failing constraint fails only its own
+sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentflash.engine.config import CacheConfig, SpecConfig
+from agentflash.engine.engine import Engine
+from agentflash.engine.errors import RequestError
+from agentflash.engine.sampler import SamplingParams
+from test_spec import build, prompts_for
+
+VOCAB = 16
+STOP = 15
+
+
+class Cycle:
+    """Toy grammar: the k-th generated token must be congruent to k mod 3 (tokens < STOP);
+    after `length` tokens only STOP is allowed, which terminates it. Counts its rollbacks."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.tokens: list[int] = []
+        self.done = False
+        self.rolled_back = 0
+
+    def allowed(self) -> torch.Tensor:
+        mask = torch.zeros(VOCAB, dtype=torch.bool)
+        if len(self.tokens) >= self.length:
+            mask[STOP] = True
+        else:
+            mask[len(self.tokens) % 3:STOP:3] = True
+        return mask
+
+    def accept(self, token: int) -> bool:
+        if self.done or not self.allowed()[token]:
+            return False
+        self.tokens.append(token)
+        self.done = token == STOP
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.rolled_back += num_tokens
+        for _ in range(num_tokens):
+            self.done = False
+            self.tokens.pop()
+
+    def is_terminated(self) -> bool:
+        return self.done
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("constraint"), vocab=VOCAB)
+
+
+def obeys(output: list[int], length: int) -> bool:
+    body = output[:-1] if output[-1:] == [STOP] else output
+    return all(t % 3 == k % 3 and t != STOP for k, t in enumerate(body)) and len(body) <= length
+
+
+def run(model, drafter, prompts, params, lengths, block=None):
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
+                    spec=SpecConfig(block) if block else SpecConfig())
+    constraints = [Cycle(n) for n in lengths]
+    ids = [engine.submit(p, params, constraint=c) for p, c in zip(prompts, constraints)]
+    while engine.has_work():
+        engine.step()
+    return [engine.result(i) for i in ids], constraints, engine
+
+
+def test_constrained_greedy_speculative_equals_plain(pair):
+    model, drafter = pair
+    params = SamplingParams(max_new_tokens=30)
+    prompts = prompts_for(8, VOCAB, seed=3)
+    lengths = [5, 9, 13, 40, 2, 17, 8, 25]
+    plain, _, _ = run(model, None, prompts, params, lengths)
+    for block in (2, 5, 16):
+        spec, constraints, engine = run(model, drafter, prompts, params, lengths, block)
+        assert [c.output_ids for c in spec] == [c.output_ids for c in plain], block
+        for done, n in zip(spec, lengths):
+            assert obeys(done.output_ids, n)
+            # the grammar's end stops the sequence even though STOP is no eos of the model
+            assert done.finish_reason == ("stop" if n < 30 else "length")
+        # drafts were proposed past rejections and rolled back
+        assert sum(c.rolled_back for c in constraints) > 0
+        engine.kv.check_integrity()
+        assert engine.stats()["pages_referenced"] == 0
+
+
+def test_constrained_sampling_stays_in_grammar(pair):
+    model, drafter = pair
+    params = SamplingParams(temperature=1.0, seed=7, max_new_tokens=24)
+    prompts = prompts_for(6, VOCAB, seed=4)
+    for d in (None, drafter):
+        done, _, _ = run(model, d, prompts, params, [10] * 6)
+        for c in done:
+            assert obeys(c.output_ids, 10) and c.output_ids[-1] == STOP
+
+
+class Broken(Cycle):
+    """Claims to allow nothing after its third token."""
+
+    def allowed(self) -> torch.Tensor:
+        mask = super().allowed()
+        return mask & False if len(self.tokens) >= 3 else mask
+
+
+def test_failing_constraint_fails_only_its_sequence(pair):
+    model, drafter = pair
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4))
+    params = SamplingParams(max_new_tokens=12)
+    good = engine.submit([1, 2, 3], params, constraint=Cycle(8))
+    bad = engine.submit([1, 2, 3], params, constraint=Broken(8))
+    while engine.has_work():
+        engine.step()
+    ok, failed = engine.result(good), engine.result(bad)
+    assert ok.error is None and obeys(ok.output_ids, 8)
+    assert isinstance(failed.error, RequestError) and failed.finish_reason == "error"
+    assert obeys(failed.output_ids, 3) and len(failed.output_ids) <= 3
+    engine.kv.check_integrity()
+    assert engine.stats()["pages_referenced"] == 0
