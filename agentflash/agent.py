@@ -15,8 +15,10 @@ from __future__ import annotations
 import copy
 import itertools
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import anyio
@@ -29,6 +31,7 @@ from .errors import (AgentClosedError, AgentflashError, MissingToolResultError,
                      OutputValidationError, ToolDefinitionError, ToolSchemaError)
 from .runtime import Runtime
 from .structured import OutputSpec
+from .telemetry import RunLog, Tracer, step_records
 from .tool import Tool, as_tool
 from .toolcall_parser import MalformedToolCall, TextDelta, ToolCallParser
 from .usage import Usage
@@ -133,10 +136,12 @@ class Agent:
         constrained: bool = True,
         reuse_kv: bool = True,
         name: str | None = None,
+        log: str | Path | None = None,
     ) -> None:
         self.runtime = runtime
         self.id = next(Agent._ids)
         self.name = name or f"agent-{self.id}"
+        self.session_id = uuid.uuid4().hex[:16]
         self.tools = {t.name: t for t in map(as_tool, tools)}
         if len(self.tools) != len(tools):
             raise ToolDefinitionError("tool names must be unique")
@@ -160,6 +165,11 @@ class Agent:
         self._calls = itertools.count()
         self._closed = False
         self._busy = False
+        self._turns = 0                           # user messages answered
+        self._steps = 0                           # model steps taken
+        self._run: tuple[str, Any] | None = None  # (run id, invoke_agent span) of stream()
+        self._own_log = RunLog(log) if log is not None else None
+        self._tracer = Tracer(self.name, runtime.model_name)
         self._held: list[Pin | None] = [None]     # the session's pin (shared with the finalizer)
         self._finalizer = weakref.finalize(self, _unpin, runtime, self._held)
         for choice in ({"auto", tool_choice} if self.tools else {"none"}):
@@ -192,16 +202,26 @@ class Agent:
         (with its usage) as they happen."""
         steps: list[Step] = []
         next_message: str | None = message
-        while True:
-            async for event in self._step(next_message):
-                if isinstance(event, StepEvent):
-                    steps.append(event.step)
-                yield event
-            next_message = None
-            if steps[-1].is_final or self._pending:
-                return
-            if len(steps) >= max_steps:
-                raise MaxStepsError(f"no final output after {max_steps} steps", steps)
+        span = self._tracer.start_run(self.session_id)
+        self._run = (uuid.uuid4().hex[:16], span)
+        error: BaseException | None = None
+        try:
+            while True:
+                async for event in self._step(next_message):
+                    if isinstance(event, StepEvent):
+                        steps.append(event.step)
+                    yield event
+                next_message = None
+                if steps[-1].is_final or self._pending:
+                    return
+                if len(steps) >= max_steps:
+                    raise MaxStepsError(f"no final output after {max_steps} steps", steps)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self._run = None
+            self._tracer.end_run(span, error)
 
     def add_tool_result(self, call_id: str, content: str) -> None:
         """Supply the result of a call to a schema-only tool (before the next step)."""
@@ -221,6 +241,9 @@ class Agent:
         child = copy.copy(self)
         child.id = next(Agent._ids)
         child.name = f"{self.name}.fork-{child.id}"
+        child.session_id = uuid.uuid4().hex[:16]
+        child._own_log = None   # the parent owns (and closes) its log file
+        child._tracer = Tracer(child.name, self.runtime.model_name)
         child.messages = copy.deepcopy(self.messages)
         child._session = list(self._session) if self._session is not None else None
         child._pending = dict(self._pending)
@@ -234,6 +257,8 @@ class Agent:
         """Release the session's KV. The agent cannot step afterwards."""
         self._closed = True
         self._finalizer()
+        if self._own_log is not None:
+            self._own_log.close()
 
     async def __aenter__(self) -> Agent:
         return self
@@ -259,6 +284,7 @@ class Agent:
         saved = (len(self.messages), self._session, self._replied)
         self._busy = True
         t0 = time.perf_counter()
+        start_ns = time.time_ns()
         committed = False
         try:
             if message is not None:
@@ -308,10 +334,15 @@ class Agent:
             is_final = not calls
             usage = Usage.from_counters(
                 done.counters, len(prompt), len(output), rt.target_params, rt.draft_params,
-                rt.engine.block_size, str(rt.engine.device), tool_s, time.perf_counter() - t0)
-            out = self._final_output(text, done.finish_reason) if is_final else None
-            yield StepEvent(Step(text, calls, results, out, is_final, usage,
-                                 done.finish_reason, malformed))
+                rt.engine.block_size, str(rt.engine.device), tool_s, time.perf_counter() - t0,
+                rt.pricing, rt.plain_decode_s)
+            self._turns += message is not None
+            self._steps += 1
+            step = Step(text, calls, results, None, is_final, usage, done.finish_reason,
+                        malformed)
+            self._record(step, start_ns)
+            step.output = self._final_output(text, done.finish_reason) if is_final else None
+            yield StepEvent(step)
         except BaseException:
             if not committed:
                 del self.messages[saved[0]:]
@@ -321,6 +352,18 @@ class Agent:
             self._busy = False
             if 'gen' in locals():
                 gen.cancel()  # no-op once finished; otherwise frees what it holds
+
+    def _record(self, step: Step, start_ns: int) -> None:
+        """Write the step to the run log and emit its spans."""
+        run_id, span = self._run or (uuid.uuid4().hex[:16], None)
+        log = self._own_log or self.runtime.log
+        if log is not None:
+            ids = {"run_id": run_id, "agent_id": self.name, "agent_name": self.name,
+                   "session_id": self.session_id}
+            for record in step_records(ids, step, self._turns, self._steps,
+                                       self.runtime.model_name):
+                log.write(record)
+        self._tracer.step(step, start_ns, self.session_id, span)
 
     async def _run_tools(self, calls: list[ToolCall]) -> list[ToolResult]:
         """Run the calls' tools concurrently; results in call order. Calls to schema-only tools

@@ -1,4 +1,5 @@
-"""The `agentflash` command line: `demo` (an agent task on the embedded model) and `generate`."""
+"""The `agentflash` command line: `demo` (an agent task on the embedded model), `report` (an
+HTML dashboard from a run log) and `generate`."""
 
 from __future__ import annotations
 
@@ -164,6 +165,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=3, help="model steps per user message")
     p.add_argument("--no-compare", action="store_true",
                    help="only the main run (skip the runs without speculation / KV reuse)")
+    p.add_argument("--usd-per-hour", type=float, default=0.10,
+                   help="assumed device price for the cost columns (default 0.10)")
+    p.add_argument("--log", type=Path, help="also write the run log (JSONL) here, for "
+                   "`agentflash report`")
     p.set_defaults(func=_demo)
 
 
@@ -173,11 +178,32 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import demo
     from .runtime import Runtime
 
-    rt = Runtime.load(args.model, draft=False if args.no_draft else None)
+    from .usage import Pricing
+
+    rt = Runtime.load(args.model, draft=False if args.no_draft else None,
+                      pricing=Pricing(usd_per_hour=args.usd_per_hour), log=args.log)
     try:
         print(anyio.run(demo, rt, args.max_tokens, args.max_steps, not args.no_compare))
+        if args.log is not None:
+            print(f"run log: {args.log}  (agentflash report {args.log} -o report.html)")
     finally:
         rt.close()
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="write a self-contained HTML dashboard from a run log")
+    p.add_argument("log", type=Path, help="run log (JSONL) from Runtime(log=...) or demo --log")
+    p.add_argument("-o", "--out", type=Path, default=Path("report.html"))
+    p.set_defaults(func=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    if not args.log.is_file():
+        raise ValueError(f"no run log at {args.log}")
+    print(f"wrote {write_report(args.log, args.out)}")
     return 0
 
 
@@ -185,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
+    _add_report(sub)
     _add_generate(sub)
     return parser
 

@@ -3,7 +3,8 @@
 The agent (embedded model by default) works through `DEMO_TASK` in a temporary workspace with
 real tools (files, a calculator, SQLite; agentflash/examples/demo_tools.py). The same task then
 runs without speculation and without KV reuse (every step recomputes its whole prompt). Each
-step's row comes from its `Usage`, counted by the engine.
+step's row comes from its `Usage`, counted by the engine: the same record the run log holds.
+Costs use the runtime's `Pricing` (the CLI's default is an assumed $0.10 per device-hour).
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ class Row:
     step: Step
 
 
-async def run_task(rt: Runtime, speculative: bool, reuse_kv: bool, max_tokens: int,
+async def run_task(rt: Runtime, name: str, speculative: bool, reuse_kv: bool, max_tokens: int,
                    max_steps: int) -> tuple[list[Row], float]:
     """Run DEMO_TASK once in a fresh workspace; returns every step and the wall time."""
     rows: list[Row] = []
     t0 = time.perf_counter()
     with Workspace() as ws:
         async with Agent(rt, INSTRUCTIONS, tools=ws.tools(), max_tokens=max_tokens,
-                         speculative=speculative and rt.speculative, reuse_kv=reuse_kv) as agent:
+                         speculative=speculative and rt.speculative, reuse_kv=reuse_kv,
+                         name=name) as agent:
             for turn, message in enumerate(DEMO_TASK, 1):
                 try:
                     result = await agent.run(message, max_steps=max_steps)
@@ -49,7 +51,8 @@ async def run_task(rt: Runtime, speculative: bool, reuse_kv: bool, max_tokens: i
 
 def table(rows: list[Row]) -> str:
     head = (f"{'turn':>4} {'tools called':<24} {'prompt':>6} {'cached':>6} {'new':>5} "
-            f"{'out':>4} {'tau':>5} {'ttft ms':>8} {'tools ms':>8} {'step ms':>8}")
+            f"{'out':>4} {'tau':>5} {'ttft ms':>8} {'tools ms':>8} {'step ms':>8} "
+            f"{'cost u$':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         u = r.step.usage
@@ -60,7 +63,8 @@ def table(rows: list[Row]) -> str:
             f"{r.turn:>4} {calls[:24]:<24} {u.prompt_tokens:>6} {cached:>6} "
             f"{u.prompt_tokens - cached:>5} {u.completion_tokens:>4} "
             f"{(f'{tau:.2f}' if tau else '-'):>5} {1000 * u.timing.ttft_s:>8.0f} "
-            f"{1000 * u.timing.tool_s:>8.0f} {1000 * u.timing.total_s:>8.0f}")
+            f"{1000 * u.timing.tool_s:>8.0f} {1000 * u.timing.total_s:>8.0f} "
+            f"{1e6 * u.cost.usd:>8.2f}")
     return "\n".join(lines)
 
 
@@ -69,8 +73,10 @@ def summary(name: str, rows: list[Row], wall_s: float) -> str:
     cached = sum(r.step.usage.prompt_tokens_details.cached_tokens for r in rows)
     out = sum(r.step.usage.completion_tokens for r in rows)
     ttft = sum(r.step.usage.timing.ttft_s for r in rows) / max(1, len(rows))
+    cost = sum(r.step.usage.cost.usd for r in rows)
     return (f"{name:<26} {wall_s:7.1f} s  {len(rows):3d} steps  prompt {prompt:6d} "
-            f"(cached {cached:6d})  out {out:5d}  mean ttft {1000 * ttft:6.0f} ms")
+            f"(cached {cached:6d})  out {out:5d}  mean ttft {1000 * ttft:6.0f} ms  "
+            f"cost {1e6 * cost:7.1f} u$")
 
 
 async def demo(rt: Runtime, max_tokens: int, max_steps: int, compare: bool) -> str:
@@ -80,10 +86,17 @@ async def demo(rt: Runtime, max_tokens: int, max_steps: int, compare: bool) -> s
         if name != next(iter(MODES)) and not compare:
             break
         rt.clear_cache()  # each mode starts cold
-        rows, wall = await run_task(rt, speculative, reuse_kv, max_tokens, max_steps)
+        rows, wall = await run_task(rt, name.replace(" ", ""), speculative, reuse_kv, max_tokens,
+                                    max_steps)
         walls[name] = (rows, wall)
         if not report:
             report += [f"model: {rt.model_name}  drafter: {rt.drafter_dir or 'none'}  "
                        f"device: {rt.engine.device}", "", table(rows), ""]
     report += [summary(name, rows, wall) for name, (rows, wall) in walls.items()]
+    main_rows = next(iter(walls.values()))[0]
+    saved_cache = sum(r.step.usage.cost.saved_by_cache_usd for r in main_rows)
+    saved_spec = sum(r.step.usage.cost.saved_by_speculation_usd for r in main_rows)
+    if rt.pricing is not None:
+        report.append(f"main run savings (counted counterfactuals): cache {1e6 * saved_cache:.1f}"
+                      f" u$, speculation {1e6 * saved_spec:.1f} u$ (negative: it cost more)")
     return "\n".join(report)

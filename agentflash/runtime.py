@@ -34,7 +34,9 @@ from .chat import ChatFormat
 from .embedded import model_drafter_dir, resolve_model
 from .errors import AgentClosedError, CheckpointError
 from .structured import GrammarCompiler
+from .telemetry import RunLog
 from .tokenizer import load_tokenizer
+from .usage import Pricing
 
 T = TypeVar("T")
 
@@ -117,7 +119,8 @@ class Runtime:
     """A loaded model + drafter served by one engine thread. Use `Runtime.load(...)`."""
 
     def __init__(self, engine: Engine, tokenizer: Any, model_dir: Path | None = None,
-                 drafter_dir: Path | None = None, session_ttl: float | None = None) -> None:
+                 drafter_dir: Path | None = None, session_ttl: float | None = None,
+                 pricing: Pricing | None = None, log: str | Path | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_dir = model_dir
@@ -132,6 +135,12 @@ class Runtime:
         self.target_params = sum(p.numel() for p in engine.model.parameters())
         self.draft_params = (sum(p.numel() for p in engine.drafter.parameters())
                              if engine.drafter is not None else 0)
+        self.pricing = pricing
+        self.log = RunLog(log) if log is not None else None
+        # a plain decode step's time: the counterfactual of saved_by_speculation_usd
+        self.plain_decode_s = (self._measure_plain_decode()
+                               if pricing is not None and pricing.usd_per_hour is not None
+                               and engine.drafter is not None else 0.0)
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Condition()
         self._live: dict[int, Generation] = {}
@@ -152,12 +161,15 @@ class Runtime:
         scheduler: SchedulerConfig = SchedulerConfig(),
         block_size: int | None = None,
         session_ttl: float | None = None,
+        pricing: Pricing | None = None,
+        log: str | Path | None = None,
     ) -> Runtime:
         """Load a model directory (None: the embedded default) and its drafter.
 
         draft=None: the model's own drafter/ if it has one; False: no speculation; a path: that
         DFlash checkpoint. cache=None sizes the KV pool for 16 full contexts. session_ttl
-        (seconds): an idle agent's pinned KV becomes evictable after that long."""
+        (seconds): an idle agent's pinned KV becomes evictable after that long. pricing: what
+        compute or tokens cost (`Usage.cost`); log: a JSONL run log every agent writes to."""
         model_dir = resolve_model(model)
         dev = resolve_device(device)
         target = load_model(model_dir, dtype=resolve_dtype(dtype, dev), device=dev)
@@ -175,7 +187,17 @@ class Runtime:
             cache = CacheConfig(page_size, 16 * -(-cfg.max_position_embeddings // page_size))
         engine = Engine(target, cache, scheduler, drafter=drafter,
                         spec=SpecConfig(block_size), detokenize=tokenizer.decode)
-        return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl)
+        return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log)
+
+    def _measure_plain_decode(self, context: int = 256, steps: int = 16) -> float:
+        """Seconds of one plain (non-speculative) decode step at batch 1, measured on this
+        engine before its thread starts."""
+        vocab = self.engine.config.vocab_size
+        prompt = [(7 * i + 11) % vocab for i in range(context)]
+        params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+        (done,) = self.engine.generate([prompt], params, speculative=False)
+        self.engine.clear_cache()
+        return done.counters.decode_compute_s / max(1, done.counters.decode_tokens)
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -199,6 +221,8 @@ class Runtime:
             return
         self._post(self._shutdown)
         self._thread.join()
+        if self.log is not None:
+            self.log.close()
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.close)

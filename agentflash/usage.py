@@ -1,14 +1,24 @@
 """Usage: what one step (or a run, the sum of its steps) used, counted from engine events.
 
 Pydantic models with the OpenAI-shaped core (prompt/completion/total tokens, cached prompt
-tokens, accepted/rejected prediction tokens) and the `speculative`, `compute` and `timing`
-sections of ../shared/specs/usage.md. Sums add counts field by field and recompute ratios from
-the sums (never an average of averages).
+tokens, accepted/rejected prediction tokens) and the `speculative`, `compute`, `timing` and
+`cost` sections of ../shared/specs/usage.md. Sums add counts field by field and recompute ratios
+from the sums (never an average of averages).
+
+Cost comes from a `Pricing`:
+- per device-hour: the step pays for the forward time the engine attributed to it (its share,
+  by tokens fed, of every batched target forward, and of the drafter forwards). Savings are
+  counterfactuals from the same counts: the cached prompt tokens at this step's own measured
+  prefill time per token, and the committed speculative tokens at the runtime's measured plain
+  decode step time, minus what verification and drafting actually took (negative when
+  speculation cost more than it saved).
+- per 1M tokens (an API price sheet): input, cached input and output tokens. Caching saves
+  the input/cached-input difference; speculation does not change a token bill (saves 0).
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from agentflash.engine.sequence import SeqCounters
 
@@ -27,7 +37,8 @@ class Speculative(BaseModel):
     draft_tokens: int = 0                # tokens proposed
     accepted_tokens: int = 0             # proposals the target accepted
     committed_tokens: int = 0            # tokens committed by verify steps (sum of tau)
-    accepted_per_position: list[int] = Field(default_factory=list)
+    accepted_per_position: list[int] = Field(default_factory=list)  # k: draft k+1 accepted
+    acceptance_histogram: dict[int, int] = Field(default_factory=dict)  # tau -> verify steps
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -55,6 +66,59 @@ class Timing(BaseModel):
     total_s: float = 0.0                 # the whole step
 
 
+class Pricing(BaseModel):
+    """A price: per device-hour of compute, or per 1M input / cached input / output tokens."""
+
+    model_config = ConfigDict(frozen=True)
+
+    usd_per_hour: float | None = None
+    input_per_1m: float | None = None
+    cached_input_per_1m: float | None = None
+    output_per_1m: float | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Pricing:
+        tokens = (self.input_per_1m, self.cached_input_per_1m, self.output_per_1m)
+        if (self.usd_per_hour is None) == all(p is None for p in tokens):
+            raise ValueError("set either usd_per_hour or the per-1M token prices")
+        if self.usd_per_hour is None and None in tokens:
+            raise ValueError("token pricing needs input_per_1m, cached_input_per_1m and "
+                             "output_per_1m")
+        if any(p is not None and p < 0 for p in (self.usd_per_hour, *tokens)):
+            raise ValueError("prices must be >= 0")
+        return self
+
+
+class Cost(BaseModel):
+    usd: float = 0.0
+    saved_by_cache_usd: float = 0.0          # prefill that prefix reuse avoided
+    saved_by_speculation_usd: float = 0.0    # target forwards avoided, net of drafting/rejects
+
+    @classmethod
+    def of(cls, pricing: Pricing | None, c: SeqCounters, prompt_tokens: int,
+           completion_tokens: int, plain_decode_s: float) -> Cost:
+        """The cost of one generation; `plain_decode_s` is a plain decode step's time."""
+        if pricing is None:
+            return cls()
+        if pricing.usd_per_hour is None:
+            per = 1e-6
+            fresh = prompt_tokens - c.cached_tokens
+            return cls(
+                usd=per * (fresh * pricing.input_per_1m + c.cached_tokens *
+                           pricing.cached_input_per_1m + completion_tokens * pricing.output_per_1m),
+                saved_by_cache_usd=per * c.cached_tokens * (pricing.input_per_1m -
+                                                            pricing.cached_input_per_1m))
+        rate = pricing.usd_per_hour / 3600
+        per_prefill_token = c.prefill_compute_s / c.prefill_tokens if c.prefill_tokens else 0.0
+        speculated = c.draft_compute_s > 0
+        plain = sum(c.acceptance_lengths) * plain_decode_s
+        return cls(
+            usd=rate * (c.prefill_compute_s + c.decode_compute_s + c.draft_compute_s),
+            saved_by_cache_usd=rate * c.cached_tokens * per_prefill_token,
+            saved_by_speculation_usd=rate * (plain - c.decode_compute_s - c.draft_compute_s)
+            if speculated else 0.0)
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -64,6 +128,7 @@ class Usage(BaseModel):
     speculative: Speculative = Field(default_factory=Speculative)
     compute: Compute = Field(default_factory=Compute)
     timing: Timing = Field(default_factory=Timing)
+    cost: Cost = Field(default_factory=Cost)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -73,7 +138,8 @@ class Usage(BaseModel):
     @classmethod
     def from_counters(cls, c: SeqCounters, prompt_tokens: int, completion_tokens: int,
                       target_params: int, draft_params: int, block_size: int, device: str,
-                      tool_s: float, total_s: float) -> Usage:
+                      tool_s: float, total_s: float, pricing: Pricing | None = None,
+                      plain_decode_s: float = 0.0) -> Usage:
         """The usage of one generation from its engine counters and timestamps."""
         t_first = c.first_token_at or c.finished_at or c.submitted_at
         t_admit = c.admitted_at or t_first
@@ -89,7 +155,8 @@ class Usage(BaseModel):
             speculative=Speculative(
                 drafts=c.draft_forwards, draft_tokens=c.draft_tokens,
                 accepted_tokens=c.accepted_tokens, committed_tokens=sum(c.acceptance_lengths),
-                accepted_per_position=list(c.accepted_per_position)),
+                accepted_per_position=list(c.accepted_per_position),
+                acceptance_histogram=c.acceptance_histogram),
             compute=Compute(
                 target_forwards=c.target_forwards, draft_forwards=c.draft_forwards,
                 prefill_tokens_computed=c.prefill_tokens, verify_tokens_computed=verify_tokens,
@@ -102,6 +169,7 @@ class Usage(BaseModel):
                 prefill_s=max(0.0, t_first - t_admit),
                 decode_s=max(0.0, (c.finished_at or t_first) - t_first),
                 grammar_s=c.grammar_s, tool_s=tool_s, total_s=total_s),
+            cost=Cost.of(pricing, c, prompt_tokens, completion_tokens, plain_decode_s),
         )
 
     def __add__(self, other: Usage) -> Usage:
@@ -121,7 +189,9 @@ def _add(a: dict, b: dict) -> dict:
         y = b[key]
         if key in ("total_tokens", "mean_acceptance_length"):
             continue  # derived: recomputed from the sums
-        if isinstance(x, dict):
+        if key == "acceptance_histogram":
+            out[key] = {k: x.get(k, 0) + y.get(k, 0) for k in sorted({*x, *y})}
+        elif isinstance(x, dict):
             out[key] = _add(x, y)
         elif isinstance(x, list):
             n = max(len(x), len(y))

@@ -220,7 +220,10 @@ class Engine:
             t0 = time.perf_counter()
             logits = self.runner.draft(verify, self.block_size)
             drafts = logits.argmax(-1).tolist()
-            self.counters.draft_s += time.perf_counter() - t0
+            t_draft = time.perf_counter() - t0
+            self.counters.draft_s += t_draft
+            for item in verify:
+                item.seq.counters.draft_compute_s += t_draft / len(verify)
             self.counters.draft_forwards += 1
             for i, item in enumerate(verify):
                 n = item.num_tokens - 1
@@ -240,14 +243,16 @@ class Engine:
                 return updates
         t0 = time.perf_counter()
         out = self.runner.forward(items)
-        self.counters.target_s += time.perf_counter() - t0
+        t_forward = time.perf_counter() - t0
+        self.counters.target_s += t_forward
+        fed = sum(item.num_tokens for item in items)
         self.counters.steps += 1
         self.counters.target_forwards += 1
         if self.drafter is not None:
             self.counters.draft_context_tokens += sum(item.num_tokens for item in items)
         argmax = out.logits.argmax(-1).tolist()
         for item, (row, count) in zip(items, out.rows):
-            self._count(item)
+            self._count(item, t_forward * item.num_tokens / fed)
             if count:
                 try:
                     update = self._commit(item, out.logits[row:row + count],
@@ -258,16 +263,18 @@ class Engine:
         self.counters.step_s += time.perf_counter() - t_step
         return updates
 
-    def _count(self, item: BatchItem) -> None:
+    def _count(self, item: BatchItem, forward_s: float) -> None:
         seq, c, n = item.seq, item.seq.counters, item.num_tokens
         c.target_forwards += 1
         if self.drafter is not None:
             c.draft_context_tokens += n
         if item.start < len(seq.prompt_ids):
             c.prefill_tokens += n
+            c.prefill_compute_s += forward_s
             self.counters.prefill_tokens += n
         else:
             c.decode_tokens += n
+            c.decode_compute_s += forward_s
             self.counters.decode_tokens += n
 
     def _commit(self, item: BatchItem, logits: torch.Tensor, argmax: list[int]) -> SeqUpdate:

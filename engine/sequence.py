@@ -40,6 +40,12 @@ class SeqCounters:
     first_token_at: float | None = None
     finished_at: float | None = None
     grammar_s: float = 0.0            # time spent in the output constraint (masks, matcher)
+    # forward time attributed to this sequence: its share (by tokens fed) of each target
+    # forward it was in, split by prefill vs decode/verify items, and its share of drafter
+    # forwards (split evenly between the blocks drafted together)
+    prefill_compute_s: float = 0.0
+    decode_compute_s: float = 0.0
+    draft_compute_s: float = 0.0
 
     @property
     def acceptance_histogram(self) -> dict[int, int]:

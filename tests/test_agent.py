@@ -287,3 +287,20 @@ async def test_closed_runtime_refuses_new_steps():
     runtime.close()
     with pytest.raises(AgentClosedError):
         await agent.step("hello")
+
+
+@pytest.mark.anyio
+async def test_session_ttl_unpins_idle_sessions():
+    runtime = Runtime.load(draft=False, session_ttl=0.3)
+    try:
+        agent = Agent(runtime, tools=[add], max_tokens=16)
+        await agent.step("Add 1 and 2.")
+        assert runtime.stats()["pages_pinned"] > 0
+        await anyio.sleep(0.6)
+        assert runtime.stats()["pages_pinned"] == 0   # evictable now, still cached
+        step = await agent.step("Add 3 and 4.")       # and still reused while it lasts
+        assert step.usage.prompt_tokens_details.cached_tokens > 0
+        await agent.close()
+        assert_clean(runtime)
+    finally:
+        runtime.close()

@@ -1,4 +1,5 @@
-"""The `agentflash generate` command: JSON output, ids-only checkpoints, typed errors."""
+"""The command line: `generate` (JSON output, ids-only checkpoints, typed errors), `demo` (the
+README's main job) and `report`."""
 
 from __future__ import annotations
 
@@ -70,3 +71,23 @@ def test_generate_with_draft_reports_acceptance_and_trace(tmp_path):
     assert "acceptance_lengths" not in f
     bad = run_cli(*common, "--draft", str(tmp_path / "d"), "--block-size", "40")
     assert bad.returncode == 2 and "block_size" in bad.stderr
+
+
+def test_demo_writes_a_log_that_report_renders(tmp_path):
+    log, html = tmp_path / "run.jsonl", tmp_path / "report.html"
+    proc = run_cli("demo", "--no-compare", "--max-tokens", "24", "--max-steps", "2",
+                   "--log", str(log))
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line[:4].strip().isdigit()]
+    assert {int(r[:4]) for r in rows} == {1, 2, 3, 4, 5}   # every user turn of the task ran
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    assert len(steps) == len(rows)
+    # turn N reuses the session: only its new tokens are computed
+    later = steps[-1]["usage"]
+    assert later["prompt_tokens_details"]["cached_tokens"] > later["prompt_tokens"] // 2
+    proc = run_cli("report", str(log), "-o", str(html))
+    assert proc.returncode == 0, proc.stderr
+    assert "<svg" in html.read_text()
+    proc = run_cli("report", str(tmp_path / "missing.jsonl"))
+    assert proc.returncode == 2 and "no run log" in proc.stderr

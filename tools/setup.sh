@@ -12,4 +12,11 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q "${AGENTFLASH_TORCH:-torch==2.13.0}"
 .venv/bin/python -m pip install -q -e ".[test]"
+# Headless Chromium renders the HTML report in the tests (tools/check_report.py); Debian package.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q chromium >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
+    || echo "warning: could not install chromium; the report rendering test needs it"
+fi
 .venv/bin/python -c "import agentflash.engine.engine, torch; print('agentflash ready: torch', torch.__version__)"
