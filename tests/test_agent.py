@@ -304,3 +304,44 @@ async def test_session_ttl_unpins_idle_sessions():
         assert_clean(runtime)
     finally:
         runtime.close()
+
+
+LLAMA_TEMPLATE = (  # the Llama 3.1 custom-tool shape: calls are bare JSON objects
+    "{%- for message in messages %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n"
+    "{%- if message.role == 'system' and tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}"
+    '{"name": "{{ call.function.name }}", "parameters": {{ call.function.arguments | tojson }}}'
+    "{%- endfor %}{%- else %}{{ message.content }}{%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{%- endif %}")
+
+
+@pytest.mark.anyio
+async def test_llama_json_tool_calls_are_constrained_and_parsed():
+    import copy
+
+    from agentflash.embedded import embedded_model_dir, model_drafter_dir
+    from agentflash.engine.engine import Engine
+    from agentflash.tokenizer import load_tokenizer
+
+    model_dir = embedded_model_dir()
+    tokenizer = copy.deepcopy(load_tokenizer(model_dir))
+    tokenizer.chat_template = LLAMA_TEMPLATE
+    engine = Engine.from_dir(model_dir, draft=model_drafter_dir(model_dir),
+                             detokenize=tokenizer.decode)
+    runtime = Runtime(engine, tokenizer, model_dir)
+    try:
+        assert runtime.chat.call_format == "llama3_json"
+        async with Agent(runtime, "Use tools.", tools=[add], tool_choice="add",
+                         max_tokens=48) as agent:
+            step = await agent.step("Add 2 and 3.")
+            assert [c.name for c in step.tool_calls] == ["add"]
+            assert step.tool_results[0].error is None
+            assert agent._session is not None
+            reply = tokenizer.decode(agent._session[-step.usage.completion_tokens:])
+            assert reply.startswith('{"name": "add", "parameters": {')
+            nxt = await agent.step("Thanks.")
+            assert nxt.usage.prompt_tokens_details.cached_tokens > step.usage.prompt_tokens
+        assert_clean(runtime)
+    finally:
+        runtime.close()
