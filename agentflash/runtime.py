@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
@@ -120,7 +121,10 @@ class Runtime:
 
     def __init__(self, engine: Engine, tokenizer: Any, model_dir: Path | None = None,
                  drafter_dir: Path | None = None, session_ttl: float | None = None,
-                 pricing: Pricing | None = None, log: str | Path | None = None) -> None:
+                 pricing: Pricing | None = None, log: str | Path | None = None,
+                 speculation: str = "auto") -> None:
+        if speculation not in ("auto", "always"):
+            raise ValueError(f"speculation must be 'auto' or 'always', got {speculation!r}")
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_dir = model_dir
@@ -137,10 +141,14 @@ class Runtime:
                              if engine.drafter is not None else 0)
         self.pricing = pricing
         self.log = RunLog(log) if log is not None else None
-        # a plain decode step's time: the counterfactual of saved_by_speculation_usd
-        self.plain_decode_s = (self._measure_plain_decode()
-                               if pricing is not None and pricing.usd_per_hour is not None
-                               and engine.drafter is not None else 0.0)
+        # step times at batch 1: a plain decode step is the counterfactual of
+        # saved_by_speculation_usd, and spec / plain is the acceptance length speculation needs
+        # to pay off (speculation="auto" stops speculating for requests below it)
+        self.plain_decode_s, self.spec_step_s = (
+            self._measure_steps() if engine.drafter is not None else (0.0, 0.0))
+        self.break_even_tau = self.spec_step_s / self.plain_decode_s if self.spec_step_s else 0.0
+        if speculation == "auto" and engine.drafter is not None:
+            engine.spec = dataclasses.replace(engine.spec, min_tau=self.break_even_tau)
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Condition()
         self._live: dict[int, Generation] = {}
@@ -163,13 +171,16 @@ class Runtime:
         session_ttl: float | None = None,
         pricing: Pricing | None = None,
         log: str | Path | None = None,
+        speculation: str = "auto",
     ) -> Runtime:
         """Load a model directory (None: the embedded default) and its drafter.
 
         draft=None: the model's own drafter/ if it has one; False: no speculation; a path: that
         DFlash checkpoint. cache=None sizes the KV pool for 16 full contexts. session_ttl
         (seconds): an idle agent's pinned KV becomes evictable after that long. pricing: what
-        compute or tokens cost (`Usage.cost`); log: a JSONL run log every agent writes to."""
+        compute or tokens cost (`Usage.cost`); log: a JSONL run log every agent writes to.
+        speculation="auto": a request stops speculating (decodes token by token, same output)
+        once its acceptance is below the break-even measured at load; "always": never stops."""
         model_dir = resolve_model(model)
         dev = resolve_device(device)
         target = load_model(model_dir, dtype=resolve_dtype(dtype, dev), device=dev)
@@ -187,17 +198,31 @@ class Runtime:
             cache = CacheConfig(page_size, 16 * -(-cfg.max_position_embeddings // page_size))
         engine = Engine(target, cache, scheduler, drafter=drafter,
                         spec=SpecConfig(block_size), detokenize=tokenizer.decode)
-        return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log)
+        return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log,
+                   speculation)
 
-    def _measure_plain_decode(self, context: int = 256, steps: int = 16) -> float:
-        """Seconds of one plain (non-speculative) decode step at batch 1, measured on this
-        engine before its thread starts."""
-        vocab = self.engine.config.vocab_size
+    def _measure_steps(self, context: int = 256, steps: int = 8) -> tuple[float, float]:
+        """Seconds of a plain decode step and of a speculative step (drafter forward + verify
+        of a full block) at batch 1, measured on this engine before its thread starts."""
+        engine = self.engine
+        vocab = engine.config.vocab_size
         prompt = [(7 * i + 11) % vocab for i in range(context)]
-        params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
-        (done,) = self.engine.generate([prompt], params, speculative=False)
-        self.engine.clear_cache()
-        return done.counters.decode_compute_s / max(1, done.counters.decode_tokens)
+        params = SamplingParams(max_new_tokens=(steps + 2) * engine.block_size, ignore_eos=True)
+        spec, engine.spec = engine.spec, dataclasses.replace(engine.spec, min_tau=None)
+        times = []
+        for speculative in (False, True):
+            seq_id = engine.submit(prompt, params, speculative=speculative)
+            engine.step()                        # prefill
+            for _ in range(steps + 1):           # a warm-up step, then the timed ones
+                engine.step()
+            c = engine._seqs[seq_id].counters
+            engine.abort(seq_id)
+            engine.result(seq_id)
+            engine.clear_cache()
+            forwards = c.draft_forwards if speculative else c.decode_tokens
+            times.append((c.decode_compute_s + c.draft_compute_s) / max(1, forwards))
+        engine.spec = spec
+        return times[0], times[1]
 
     # ---- public ---------------------------------------------------------------------------
 

@@ -201,13 +201,22 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding settings. block_size None: the drafter checkpoint's own."""
+    """Speculative decoding settings. block_size None: the drafter checkpoint's own.
+
+    min_tau: a request whose mean acceptance length (tokens committed per verify step) is below
+    this after `probe_steps` verify steps decodes token by token for the rest of the request
+    (lossless either way). Set it to the measured break-even: a speculative step's time over a
+    plain step's. None: always speculate."""
 
     block_size: int | None = None
+    min_tau: float | None = None
+    probe_steps: int = 4
     MIN_BLOCK = 2
     MAX_BLOCK = 16
 
     def __post_init__(self) -> None:
+        if self.probe_steps < 1:
+            raise ValueError("probe_steps must be >= 1")
         if self.block_size is not None and not self.MIN_BLOCK <= self.block_size <= self.MAX_BLOCK:
             raise ValueError(
                 f"block_size must be in [{self.MIN_BLOCK}, {self.MAX_BLOCK}], got {self.block_size}"

@@ -102,6 +102,7 @@ class Engine:
         self.scheduler = Scheduler(scheduler, self.kv)
         self.drafter = drafter
         self.block_size = 1
+        self.spec = spec
         draft_layers = None
         if drafter is not None:
             dcfg = drafter.config
@@ -322,6 +323,10 @@ class Engine:
                 c.accepted_per_position[k] += 1
             if c.drafts is not None:
                 c.drafts.append(list(draft))
+            probed = len(c.acceptance_lengths) >= self.spec.probe_steps
+            if probed and self.spec.min_tau is not None and \
+                    sum(c.acceptance_lengths) < self.spec.min_tau * len(c.acceptance_lengths):
+                seq.block_size = 1  # speculation does not pay for this request: decode plainly
             update.draft_tokens, update.accepted_tokens = len(draft), verdict.accepted
             self.counters.draft_tokens += len(draft)
             self.counters.accepted_tokens += verdict.accepted

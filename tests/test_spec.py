@@ -203,3 +203,22 @@ def test_bad_speculative_settings_are_clear(tmp_path, pair):
     make_dflash_checkpoint(tmp_path / "badmask", model.config, mask_token_id=99)
     with pytest.raises(DrafterMismatchError, match="mask"):
         load_drafter(tmp_path / "badmask", model)
+
+
+def test_requests_below_min_tau_stop_speculating_losslessly(pair):
+    model, drafter = pair
+    params = SamplingParams(max_new_tokens=40)
+    prompts = prompts_for(4, 16, seed=77)
+    plain = Engine(model, CacheConfig(4, 512)).generate(prompts, params)
+    for min_tau, probes in ((100.0, 3), (None, 3)):
+        spec = Engine(model, CacheConfig(4, 512), drafter=drafter,
+                      spec=SpecConfig(8, min_tau=min_tau, probe_steps=probes)).generate(
+                          prompts, params)
+        assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+        for c in spec:
+            if min_tau is None:
+                assert c.counters.draft_forwards > probes
+            else:  # probed, found not to pay, decoded the rest token by token
+                assert c.counters.draft_forwards == probes
+                assert c.counters.decode_tokens == probes * 8 + (
+                    len(c.output_ids) - 1 - sum(c.counters.acceptance_lengths))
