@@ -1,10 +1,13 @@
 """Kernel dispatch: Triton on CUDA where a kernel exists, the torch reference elsewhere.
 
 `use("reference")` / `use("triton")` / `use("auto")` overrides the choice (tests force either).
+The Triton kernels register on first need, when `triton` is installed: importing triton is slow,
+and its CPU interpreter (TRITON_INTERPRET=1) must be chosen before that import happens.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 from . import reference
@@ -17,6 +20,7 @@ _BACKENDS: dict[str, dict[str, Callable]] = {
     },
 }
 _choice = "auto"
+_triton_checked = False
 
 
 def register(backend: str, name: str, fn: Callable) -> None:
@@ -24,7 +28,22 @@ def register(backend: str, name: str, fn: Callable) -> None:
     _BACKENDS.setdefault(backend, {})[name] = fn
 
 
+def _triton() -> dict[str, Callable]:
+    """The Triton backend's kernels, registered on the first call (empty without triton)."""
+    global _triton_checked
+    if not _triton_checked:
+        _triton_checked = True
+        if importlib.util.find_spec("triton") is not None:
+            from . import triton_attention
+
+            register("triton", "paged_attention", triton_attention.paged_attention)
+            register("triton", "draft_attention", triton_attention.draft_attention)
+    return _BACKENDS.get("triton", {})
+
+
 def use(backend: str) -> None:
+    if backend == "triton":
+        _triton()
     if backend != "auto" and backend not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; known: {sorted(_BACKENDS)}")
     global _choice
@@ -34,7 +53,7 @@ def use(backend: str) -> None:
 def _pick(name: str, device_type: str) -> Callable:
     if _choice != "auto":
         return _BACKENDS[_choice].get(name) or _BACKENDS["reference"][name]
-    if device_type == "cuda" and name in _BACKENDS.get("triton", {}):
+    if device_type == "cuda" and name in _triton():
         return _BACKENDS["triton"][name]
     return _BACKENDS["reference"][name]
 

@@ -1,13 +1,20 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints and DFlash drafters in temporary dirs."""
+"""Shared fixtures: tiny random Hugging Face checkpoints and DFlash drafters in temporary dirs;
+Triton in interpreter mode on machines without CUDA."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run in Triton's CPU interpreter. Triton reads the switch when it is
+# first imported (transformers and xgrammar import it too), so it is set before any test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(
     vocab_size=128,
