@@ -9,9 +9,10 @@ Cost comes from a `Pricing`:
 - per device-hour: the step pays for the forward time the engine attributed to it (its share,
   by tokens fed, of every batched target forward, and of the drafter forwards). Savings are
   counterfactuals from the same counts: the cached prompt tokens at this step's own measured
-  prefill time per token, and the committed speculative tokens at the runtime's measured plain
-  decode step time, minus what verification and drafting actually took (negative when
-  speculation cost more than it saved).
+  prefill time per token, and the tokens committed by verify steps at a plain decode step's
+  time (this request's own plain steps when it took at least 4, else the runtime's measurement
+  at load), minus what verification and drafting actually took (negative when speculation cost
+  more than it saved).
 - per 1M tokens (an API price sheet): input, cached input and output tokens. Caching saves
   the input/cached-input difference; speculation does not change a token bill (saves 0).
 """
@@ -110,13 +111,15 @@ class Cost(BaseModel):
                                                             pricing.cached_input_per_1m))
         rate = pricing.usd_per_hour / 3600
         per_prefill_token = c.prefill_compute_s / c.prefill_tokens if c.prefill_tokens else 0.0
-        speculated = c.draft_compute_s > 0
+        plain_steps = c.decode_tokens - c.draft_forwards - c.draft_tokens  # verify fed 1 + drafts
+        if plain_steps >= 4:  # this request's own plain steps (speculation stopped, or never ran)
+            plain_decode_s = (c.decode_compute_s - c.verify_compute_s) / plain_steps
         plain = sum(c.acceptance_lengths) * plain_decode_s
         return cls(
             usd=rate * (c.prefill_compute_s + c.decode_compute_s + c.draft_compute_s),
             saved_by_cache_usd=rate * c.cached_tokens * per_prefill_token,
-            saved_by_speculation_usd=rate * (plain - c.decode_compute_s - c.draft_compute_s)
-            if speculated else 0.0)
+            saved_by_speculation_usd=rate * (plain - c.verify_compute_s - c.draft_compute_s)
+            if c.draft_forwards else 0.0)
 
 
 class Usage(BaseModel):

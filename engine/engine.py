@@ -276,6 +276,8 @@ class Engine:
         else:
             c.decode_tokens += n
             c.decode_compute_s += forward_s
+            if item.verifies:
+                c.verify_compute_s += forward_s
             self.counters.decode_tokens += n
 
     def _commit(self, item: BatchItem, logits: torch.Tensor, argmax: list[int]) -> SeqUpdate:

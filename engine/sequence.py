@@ -44,7 +44,8 @@ class SeqCounters:
     # forward it was in, split by prefill vs decode/verify items, and its share of drafter
     # forwards (split evenly between the blocks drafted together)
     prefill_compute_s: float = 0.0
-    decode_compute_s: float = 0.0
+    decode_compute_s: float = 0.0     # decode and verify items
+    verify_compute_s: float = 0.0     # of which verify items
     draft_compute_s: float = 0.0
 
     @property
