@@ -29,7 +29,7 @@ from agentflash.engine.sampler import SamplingParams
 
 from .errors import (AgentClosedError, AgentflashError, MissingToolResultError,
                      OutputValidationError, ToolDefinitionError, ToolSchemaError)
-from .runtime import Runtime
+from .runtime import Generation, Runtime
 from .structured import OutputSpec
 from .telemetry import RunLog, Tracer, step_records
 from .tool import Tool, as_tool
@@ -286,6 +286,7 @@ class Agent:
         t0 = time.perf_counter()
         start_ns = time.time_ns()
         committed = False
+        gen: Generation | None = None
         try:
             if message is not None:
                 self.messages.append({"role": "user", "content": message})
@@ -350,7 +351,7 @@ class Agent:
             raise
         finally:
             self._busy = False
-            if 'gen' in locals():
+            if gen is not None:
                 gen.cancel()  # no-op once finished; otherwise frees what it holds
 
     def _record(self, step: Step, start_ns: int) -> None:
@@ -431,8 +432,9 @@ class _Detokenizer:
         return self._emit(self._decode(self._ids))
 
     def _emit(self, text: str) -> str:
-        delta = text[len(self._text):] if text.startswith(self._text) else ""
-        self._text = text if text.startswith(self._text) else self._text
+        if not text.startswith(self._text):  # a later token re-merged earlier bytes: wait
+            return ""
+        delta, self._text = text[len(self._text):], text
         return delta
 
 

@@ -286,8 +286,8 @@ class Engine:
         params = seq.params
         draft = item.draft or []
         constraint = seq.constraint
-        t_grammar = time.perf_counter()
         if constraint is not None:
+            t_grammar = time.perf_counter()
             masks = item.masks if item.verifies else [constraint.allowed()]
             logits = torch.stack([masked(row, mask) for row, mask in zip(logits, masks)])
             argmax = logits.argmax(-1).tolist()
