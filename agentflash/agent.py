@@ -414,28 +414,32 @@ class Agent:
 
 
 class _Detokenizer:
-    """Text of a growing token list, emitted as deltas that never split a character."""
+    """Text of a growing token list, emitted as deltas that never split a character.
+
+    Decodes only a window: the tokens of the last delta (context for byte-level merges) and the
+    new ones, so a long reply costs O(new tokens) per update, not O(reply)."""
 
     def __init__(self, decode: Callable[[list[int]], str], skip: frozenset[int]) -> None:
         self._decode, self._skip = decode, skip
         self._ids: list[int] = []
-        self._text = ""
+        self._prefix = 0   # window start: the tokens before it were emitted and are settled
+        self._read = 0     # tokens whose text was emitted
 
     def add(self, ids: list[int]) -> str:
         self._ids.extend(i for i in ids if i not in self._skip)
-        text = self._decode(self._ids)
-        if text.endswith("\ufffd"):   # an incomplete UTF-8 sequence: wait for its rest
-            return ""
-        return self._emit(text)
+        return self._emit(final=False)
 
     def flush(self) -> str:
-        return self._emit(self._decode(self._ids))
+        return self._emit(final=True)
 
-    def _emit(self, text: str) -> str:
-        if not text.startswith(self._text):  # a later token re-merged earlier bytes: wait
+    def _emit(self, final: bool) -> str:
+        done = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        # an incomplete UTF-8 sequence (or a re-merge of emitted bytes): wait for more tokens
+        if not text.startswith(done) or (text.endswith("\ufffd") and not final):
             return ""
-        delta, self._text = text[len(self._text):], text
-        return delta
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done):]
 
 
 def _output_adapter(output_type: Any) -> tuple[pydantic.TypeAdapter | None, dict | None]:

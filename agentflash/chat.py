@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import CheckpointError
 from .toolcall_parser import detect_format
 
 
@@ -24,8 +25,6 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Any, eos_token_id: int) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            from .errors import CheckpointError
-
             raise CheckpointError("the model's tokenizer has no chat template")
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id

@@ -345,3 +345,23 @@ async def test_llama_json_tool_calls_are_constrained_and_parsed():
         assert_clean(runtime)
     finally:
         runtime.close()
+
+
+def test_streamed_text_never_splits_characters_whatever_the_chunking(rt):
+    import random
+
+    from agentflash.agent import _Detokenizer
+
+    tok = rt.tokenizer
+    text = 'Héllo wörld, 日本語 ✓ <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    rng = random.Random(0)
+    for _ in range(100):
+        detok, deltas, i = _Detokenizer(tok.decode, rt.eos_ids), [], 0
+        while i < len(ids):
+            n = rng.randint(1, 6)
+            deltas.append(detok.add(ids[i:i + n]))
+            i += n
+        deltas.append(detok.flush())
+        assert "".join(deltas) == text
+        assert not any("\ufffd" in d for d in deltas)
