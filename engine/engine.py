@@ -25,10 +25,10 @@ from .models.dflash import DFlashDraftModel, load_drafter
 from .models.loader import load_model
 from .models.qwen3 import CausalLM
 from .runner import ModelRunner
-from .sampler import SamplingParams, make_generator, sample_row, target_probs
+from .sampler import SamplingParams, make_generator
 from .scheduler import BatchItem, Scheduler
 from .sequence import SeqCounters, Sequence, Status
-from .spec import Verdict, greedy_accept, sample_accept
+from .spec import Rows, Verdict, judge
 
 
 @dataclass
@@ -251,16 +251,29 @@ class Engine:
         self.counters.target_forwards += 1
         if self.drafter is not None:
             self.counters.draft_context_tokens += sum(item.num_tokens for item in items)
-        argmax = out.logits.argmax(-1).tolist()
+        logits = out.logits
+        if any(item.seq.constraint is not None for item in items):
+            logits = logits.clone()  # masked in place below (out.logits is an inference tensor)
+        judged: list[tuple[BatchItem, Rows]] = []
         for item, (row, count) in zip(items, out.rows):
             self._count(item, t_forward * item.num_tokens / fed)
-            if count:
+            if not count:
+                continue
+            seq = item.seq
+            if seq.constraint is not None:
                 try:
-                    update = self._commit(item, out.logits[row:row + count],
-                                          argmax[row:row + count])
+                    self._mask(item, logits[row:row + count])
                 except RequestError as e:  # the sequence's constraint failed; nothing committed
-                    update = self._fail(item.seq, e)
-                updates.append(update)
+                    updates.append(self._fail(seq, e))
+                    continue
+            draft = (item.draft or []) if item.verifies else []
+            judged.append((item, Rows(row, draft, seq.params, seq.generator)))
+        verdicts = judge(logits, [rows for _, rows in judged]) if judged else []
+        for (item, rows), verdict in zip(judged, verdicts):
+            try:
+                updates.append(self._commit(item, rows.drafts, verdict))
+            except RequestError as e:
+                updates.append(self._fail(item.seq, e))
         self.counters.step_s += time.perf_counter() - t_step
         return updates
 
@@ -280,26 +293,21 @@ class Engine:
                 c.verify_compute_s += forward_s
             self.counters.decode_tokens += n
 
-    def _commit(self, item: BatchItem, logits: torch.Tensor, argmax: list[int]) -> SeqUpdate:
-        """Turn the target's rows for one item into committed tokens."""
+    def _mask(self, item: BatchItem, logits: torch.Tensor) -> None:
+        """Apply the sequence's grammar to its rows of the step's logits, in place: row k gets
+        the allowed set after the first k drafts."""
+        constraint = item.seq.constraint
+        assert constraint is not None
+        t_grammar = time.perf_counter()
+        masks = item.masks if item.verifies else [constraint.allowed()]
+        for k, mask in zip(range(logits.shape[0]), masks):
+            logits[k] = masked(logits[k], mask)
+        item.seq.counters.grammar_s += time.perf_counter() - t_grammar
+
+    def _commit(self, item: BatchItem, draft: list[int], verdict: Verdict) -> SeqUpdate:
+        """Append a verdict's tokens to the sequence and keep the KV of what is committed."""
         seq = item.seq
-        params = seq.params
-        draft = item.draft or []
         constraint = seq.constraint
-        if constraint is not None:
-            t_grammar = time.perf_counter()
-            masks = item.masks if item.verifies else [constraint.allowed()]
-            logits = torch.stack([masked(row, mask) for row, mask in zip(logits, masks)])
-            argmax = logits.argmax(-1).tolist()
-            seq.counters.grammar_s += time.perf_counter() - t_grammar
-        if item.verifies:
-            if params.greedy:
-                verdict = greedy_accept(draft, argmax)
-            else:
-                verdict = sample_accept(draft, target_probs(logits, params), seq.generator)
-        else:
-            token = argmax[0] if params.greedy else sample_row(logits[0], params, seq.generator)
-            verdict = Verdict(0, token)
         tokens = draft[: verdict.accepted] + [verdict.bonus]
         if constraint is not None:
             t_grammar = time.perf_counter()

@@ -77,9 +77,8 @@ class ModelRunner:
         assert self.drafter is not None and self.draft_layers is not None
         ctx = self.drafter.context_features(captured)
         for i, layer in enumerate(self.draft_layers):
-            k, v = self.drafter.context_kv(i, ctx, positions)
-            self.pool.k[layer].index_copy_(0, slots, k)
-            self.pool.v[layer].index_copy_(0, slots, v)
+            self.drafter.store_context_kv(i, ctx, positions, slots, self.pool.k[layer],
+                                          self.pool.v[layer])
 
     @torch.inference_mode()
     def draft(self, items: list[BatchItem], block_size: int) -> torch.Tensor:

@@ -61,16 +61,6 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample_row(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
-    """One token from a row of logits [V]."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = target_probs(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is None:

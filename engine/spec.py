@@ -1,8 +1,8 @@
-"""Verification of drafted blocks: which drafts the target accepts, and the bonus token.
+"""Verification of a step's target rows: which drafts the target accepts, and the bonus token.
 
-Pure functions over tensors. A block is `[anchor, d_1 .. d_{n}]`; the target's row k (the output
-at block position k) is its distribution for the token at position k+1, so draft d_{k+1} is judged
-by row k and the bonus comes from the row after the last accepted draft.
+A block is `[anchor, d_1 .. d_n]`; the target's row k (the output at block position k) is its
+distribution for the token at position k+1, so draft d_{k+1} is judged by row k and the bonus
+comes from the row after the last accepted draft. A plain decode row is a block with no drafts.
 
 - Greedy: accept the longest prefix with d_{k+1} == argmax(row k); bonus = argmax of the next row.
   The committed tokens are exactly what greedy autoregressive decoding would produce.
@@ -10,6 +10,9 @@ by row k and the bonus comes from the row after the last accepted draft.
   on rejection, samples from p with d's mass removed (renormalised); after a fully accepted block
   the bonus is sampled from the last row. p is the target distribution after temperature, top-k
   and top-p. The committed tokens have exactly the target's sampling distribution.
+
+`judge` verifies a whole batch with one kernel launch per rule (kernels.dispatch.accept_greedy /
+accept_sample) and one host sync each; each request's random numbers come from its own generator.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from ..kernels import dispatch
+from .sampler import SamplingParams, target_probs
 
 
 class Verdict(NamedTuple):
@@ -29,27 +35,47 @@ class Verdict(NamedTuple):
         return self.accepted + 1
 
 
-def greedy_accept(drafts: list[int], target_argmax: list[int]) -> Verdict:
-    """target_argmax[k] is the target's choice after block position k (len(drafts) + 1 rows)."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == target_argmax[accepted]:
-        accepted += 1
-    return Verdict(accepted, target_argmax[accepted])
+class Rows(NamedTuple):
+    """One request's part of a step's logits: rows start .. start + len(drafts)."""
+
+    start: int
+    drafts: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
 
 
-def sample_accept(
-    drafts: list[int], probs: torch.Tensor, generator: torch.Generator | None
-) -> Verdict:
-    """Exact speculative sampling for one-hot drafts. probs [len(drafts)+1, V] (rows sum to 1)."""
-    for k, d in enumerate(drafts):
-        p = probs[k]
-        u = torch.rand((), generator=generator, device=p.device)
-        if bool(u < p[d]):
-            continue
-        residual = p.clone()
-        residual[d] = 0.0
-        # p[d] < 1 here (u < 1 always accepts a draft with p = 1), so residual has mass
-        bonus = torch.multinomial(residual / residual.sum(), 1, generator=generator)
-        return Verdict(k, int(bonus))
-    bonus = torch.multinomial(probs[len(drafts)], 1, generator=generator)
-    return Verdict(len(drafts), int(bonus))
+def judge(logits: torch.Tensor, batch: list[Rows]) -> list[Verdict]:
+    """The verdict of every request in `batch`, in order, from the step's logits [R, V]."""
+    verdicts: list[Verdict | None] = [None] * len(batch)
+    greedy = [i for i, r in enumerate(batch) if r.params.greedy]
+    sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
+    if greedy:
+        chosen = [batch[i] for i in greedy]
+        out = dispatch.accept_greedy(logits, *_layout(chosen, logits.device))
+        for i, (accepted, bonus) in zip(greedy, out.tolist()):
+            verdicts[i] = Verdict(accepted, bonus)
+    if sampled:
+        chosen = [batch[i] for i in sampled]
+        probs = torch.cat([target_probs(logits[r.start:r.start + len(r.drafts) + 1], r.params)
+                           for r in chosen])
+        starts = [0]
+        for r in chosen[:-1]:
+            starts.append(starts[-1] + len(r.drafts) + 1)
+        chosen = [r._replace(start=s) for r, s in zip(chosen, starts)]
+        row_start, num_drafts, drafts = _layout(chosen, logits.device)
+        uniforms = torch.zeros(len(chosen), drafts.shape[1] + 1, device=logits.device)
+        for j, r in enumerate(chosen):
+            n = len(r.drafts) + 1
+            uniforms[j, :n] = torch.rand(n, generator=r.generator, device=logits.device)
+        out = dispatch.accept_sample(probs, row_start, num_drafts, drafts, uniforms)
+        for i, (accepted, bonus) in zip(sampled, out.tolist()):
+            verdicts[i] = Verdict(accepted, bonus)
+    return verdicts  # type: ignore[return-value]
+
+
+def _layout(batch: list[Rows], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """row_start [N], num_drafts [N], drafts [N, D] (zero-padded) on `device`."""
+    width = max(len(r.drafts) for r in batch)
+    table = [[r.start, len(r.drafts), *r.drafts, *[0] * (width - len(r.drafts))] for r in batch]
+    t = torch.tensor(table, dtype=torch.long, device=device)
+    return t[:, 0], t[:, 1], t[:, 2:]

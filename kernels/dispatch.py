@@ -17,6 +17,9 @@ _BACKENDS: dict[str, dict[str, Callable]] = {
         "paged_attention": reference.paged_attention,
         "store_kv": reference.store_kv,
         "draft_attention": reference.draft_attention,
+        "accept_greedy": reference.accept_greedy,
+        "accept_sample": reference.accept_sample,
+        "store_context_kv": reference.store_context_kv,
     },
 }
 _choice = "auto"
@@ -34,10 +37,13 @@ def _triton() -> dict[str, Callable]:
     if not _triton_checked:
         _triton_checked = True
         if importlib.util.find_spec("triton") is not None:
-            from . import triton_attention
+            from . import triton_accept, triton_attention, triton_context_kv
 
             register("triton", "paged_attention", triton_attention.paged_attention)
             register("triton", "draft_attention", triton_attention.draft_attention)
+            register("triton", "accept_greedy", triton_accept.accept_greedy)
+            register("triton", "accept_sample", triton_accept.accept_sample)
+            register("triton", "store_context_kv", triton_context_kv.store_context_kv)
     return _BACKENDS.get("triton", {})
 
 
@@ -71,4 +77,21 @@ def store_kv(k_cache, v_cache, slots, k, v):
 def draft_attention(q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, scale, causal, window):
     return _pick("draft_attention", q.device.type)(
         q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, scale, causal, window
+    )
+
+
+def accept_greedy(logits, row_start, num_drafts, drafts):
+    return _pick("accept_greedy", logits.device.type)(logits, row_start, num_drafts, drafts)
+
+
+def accept_sample(probs, row_start, num_drafts, drafts, uniforms):
+    return _pick("accept_sample", probs.device.type)(
+        probs, row_start, num_drafts, drafts, uniforms
+    )
+
+
+def store_context_kv(k, v, norm_weight, eps, cos_half, sin_half, positions, slots, k_cache,
+                     v_cache):
+    return _pick("store_context_kv", k.device.type)(
+        k, v, norm_weight, eps, cos_half, sin_half, positions, slots, k_cache, v_cache
     )

@@ -95,3 +95,105 @@ def draft_attention(
         enable_gqa=k.shape[1] != n_heads,
     )  # [N, Hq, B, D]
     return out.transpose(1, 2)
+
+
+def _row_positions(row_start: torch.Tensor, width: int, num_rows: int) -> torch.Tensor:
+    """[N, width] rows row_start[n] + k, clamped into the tensor (rows past an item's own are
+    padding: read, never used)."""
+    k = torch.arange(width, device=row_start.device)
+    return (row_start[:, None] + k).clamp(max=max(num_rows - 1, 0))
+
+
+def accept_greedy(
+    logits: torch.Tensor, row_start: torch.Tensor, num_drafts: torch.Tensor, drafts: torch.Tensor
+) -> torch.Tensor:
+    """Greedy verification of a batch of drafted blocks, without a host sync.
+
+    logits     [R, V]  the target's rows; item n's rows are row_start[n] .. + num_drafts[n]
+    row_start  [N]     int64
+    num_drafts [N]     int64, 0 .. D (0: a plain decode row)
+    drafts     [N, D]  int64 drafted tokens, padded; draft k is judged by row k
+    returns    [N, 2]  int64 (accepted drafts, bonus token): the longest prefix of drafts equal to
+                       the row argmaxes, and the argmax of the row after it (first index on ties)
+    """
+    n, width = drafts.shape
+    rows = _row_positions(row_start, width + 1, logits.shape[0])
+    choice = logits.argmax(-1)[rows]                                   # [N, D + 1]
+    k = torch.arange(width, device=drafts.device)
+    match = (drafts == choice[:, :width]) & (k < num_drafts[:, None])
+    accepted = match.long().cumprod(1).sum(1)
+    bonus = choice.gather(1, accepted[:, None])[:, 0]
+    return torch.stack([accepted, bonus], dim=1)
+
+
+def accept_sample(
+    probs: torch.Tensor,
+    row_start: torch.Tensor,
+    num_drafts: torch.Tensor,
+    drafts: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """Exact speculative sampling for a batch of one-hot drafted blocks, without a host sync.
+
+    probs      [R, V]    float32 target distributions (rows sum to 1); layout as accept_greedy
+    uniforms   [N, D+1]  U[0, 1): column k < num_drafts[n] tests draft k, column num_drafts[n]
+                         draws the bonus
+    returns    [N, 2]    int64 (accepted drafts, bonus token)
+
+    Draft k is accepted when u_k < p_k(d_k). At the first rejection the bonus is drawn from p_k
+    with d_k's mass removed; after a fully accepted block, from the next row. The draw inverts
+    the row's cumulative sum: the first token whose cumulative mass exceeds u * total.
+    """
+    n, width = drafts.shape
+    vocab = probs.shape[1]
+    rows = _row_positions(row_start, width, probs.shape[0])
+    k = torch.arange(width, device=drafts.device)
+    p_draft = probs[rows, drafts.clamp(0, vocab - 1)] if width else probs.new_zeros(n, 0)
+    ok = (uniforms[:, :width] < p_draft) & (k < num_drafts[:, None])
+    accepted = ok.long().cumprod(1).sum(1)
+    p = probs[row_start + accepted]                                    # [N, V]
+    rejected = accepted < num_drafts
+    if width:
+        draft = drafts.gather(1, accepted.clamp(max=width - 1)[:, None])
+        removed = rejected[:, None] & (torch.arange(vocab, device=p.device) == draft)
+        p = p.masked_fill(removed, 0.0)
+    cdf = p.cumsum(1)
+    u = uniforms.gather(1, num_drafts[:, None])
+    pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    last = (vocab - 1) - (p > 0).flip(1).long().argmax(1)             # rounding: stay in support
+    return torch.stack([accepted, torch.minimum(pick, last)], dim=1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim, normalised in float32 (HF Llama/Qwen3 numerics)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def store_context_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    cos_half: torch.Tensor,
+    sin_half: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Finish and store one drafter layer's context K/V (DFlash KV injection).
+
+    k, v        [T, Hkv, D]  the layer's projections of the context features, before k_norm/RoPE
+    norm_weight [D] or None  k_norm (per-head RMSNorm, normalised in float32)
+    cos_half    [P, D/2]     float32 RoPE tables (rotate-half convention); sin_half likewise
+    positions   [T]          each token's position; slots [T] its slot in the caches
+    k_cache[slots] = rope(k_norm(k)), v_cache[slots] = v, in the caches' dtype
+    """
+    if norm_weight is not None:
+        k = _rms_norm(k, norm_weight, eps)
+    cos, sin = cos_half[positions], sin_half[positions]
+    cos = torch.cat((cos, cos), dim=-1).to(k.dtype)[:, None, :]
+    sin = torch.cat((sin, sin), dim=-1).to(k.dtype)[:, None, :]
+    k1, k2 = k.chunk(2, dim=-1)
+    k = k * cos + torch.cat((-k2, k1), dim=-1) * sin
+    store_kv(k_cache, v_cache, slots, k, v)

@@ -160,8 +160,8 @@ def chi_square_pvalue(counts: Counter, expected: dict[tuple, float], total: int)
     if other_exp > 0:
         stat += (other_obs - other_exp) ** 2 / other_exp
         df += 1
-    unexpected = sum(v for k, v in counts.items() if k not in expected)
-    assert unexpected == 0, "sampled a token the distribution excludes"
+    if any(key not in expected for key in counts):
+        return 0.0  # sampled a sequence the distribution excludes
     return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
 
 
@@ -183,9 +183,10 @@ def test_speculative_sampling_matches_target_distribution(tmp_path, params):
         for c in engine.generate([prompt] * 500, seeded):
             counts[tuple(c.output_ids)] += 1
     assert engine.counters.accepted_tokens > 0 and engine.counters.draft_forwards > 0
+    assert set(counts) <= set(expected), "sampled a token the distribution excludes"
     assert chi_square_pvalue(counts, expected, total) > 1e-3
     # the test has power: the same samples are rejected against a sharper target distribution
-    sharper = SamplingParams(**{**params.__dict__, "temperature": params.temperature * 0.6})
+    sharper = SamplingParams(**{**params.__dict__, "temperature": params.temperature * 0.5})
     assert chi_square_pvalue(counts, exact_joint(model, prompt, sharper, 3), total) < 1e-3
 
 

@@ -1,7 +1,10 @@
-"""Triton attention kernels against their torch references (compiled on CUDA, else in Triton's
-CPU interpreter): odd shapes (page sizes, context lengths off the tile, decode / verify / prefill query counts,
-GQA 1/2/4, head_dim 16/32) in float32 and bfloat16, then the engine's greedy tokens with
-`dispatch.use("triton")` equal to `use("reference")`, with and without a DFlash drafter."""
+"""Triton kernels against their torch references (compiled on CUDA, else in Triton's CPU
+interpreter): attention on odd shapes (page sizes, context lengths off the tile, decode / verify /
+prefill query counts, GQA 1/2/4, head_dim 16/32) in float32 and bfloat16; verification (greedy
+with ties, sampling) on ragged batches and vocabularies off the tile; the drafter's context K/V
+store. Then the engine's greedy tokens with `dispatch.use("triton")` equal `use("reference")`,
+with and without a DFlash drafter, and its sampling through the Triton accept kernel stays
+inside the sampling support."""
 
 from __future__ import annotations
 
@@ -20,13 +23,15 @@ import pytest  # noqa: E402
 
 tl = pytest.importorskip("triton.language", reason="triton is not installed")
 
-from agentflash.engine.attention import PagedAttention  # noqa: E402
+from agentflash.engine.attention import DenseCausal, PagedAttention  # noqa: E402
 from agentflash.engine.config import CacheConfig, SpecConfig  # noqa: E402
 from agentflash.engine.engine import Engine  # noqa: E402
 from agentflash.engine.models.dflash import load_drafter  # noqa: E402
 from agentflash.engine.models.loader import load_model  # noqa: E402
 from agentflash.engine.sampler import SamplingParams  # noqa: E402
-from agentflash.kernels import dispatch, reference, triton_attention  # noqa: E402
+from agentflash.kernels import (  # noqa: E402
+    dispatch, reference, triton_accept, triton_attention, triton_context_kv,
+)
 from conftest import make_dflash_checkpoint, make_hf_model  # noqa: E402
 
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -110,6 +115,95 @@ def test_draft_attention_matches_reference(block, hq, hkv, d, dtype, kind) -> No
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
 
 
+def ragged_blocks(g: torch.Generator, n: int, width: int) -> tuple[torch.Tensor, ...]:
+    """row_start, num_drafts [n] of a packed batch of blocks (0 .. width drafts each)."""
+    num = torch.randint(0, width + 1, (n,), generator=g)
+    start = torch.cat([torch.zeros(1, dtype=torch.long), (num + 1).cumsum(0)[:-1]])
+    return start, num
+
+
+# (sequences, padded draft width, vocabulary): vocabularies below, at and past a 1024 tile
+ACCEPT_CASES = [(1, 0, 7), (4, 3, 1024), (6, 15, 2500)]
+
+
+@pytest.mark.parametrize("n,width,vocab", ACCEPT_CASES)
+def test_accept_greedy_matches_reference(n, width, vocab) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    start, num = ragged_blocks(g, n, width)
+    rows = int((num + 1).sum())
+    logits = torch.randint(0, 3, (rows, vocab), generator=g).float()  # many ties: first wins
+    logits[0, -1] = 5.0                                                 # a maximum in the last tile
+    choice = logits.argmax(-1)
+    drafts = torch.randint(0, vocab, (n, width), generator=g)
+    for i in range(n):  # drafts mostly agree with the target, so some blocks accept a lot
+        for k in range(width):
+            if torch.rand((), generator=g) < 0.85:
+                drafts[i, k] = choice[min(int(start[i]) + k, rows - 1)]
+    layout = torch.stack([start, num], dim=1)  # strided views, as the engine passes them
+    args = [t.to(DEVICE) for t in (logits, layout[:, 0], layout[:, 1], drafts)]
+    got = triton_accept.accept_greedy(*args)
+    want = reference.accept_greedy(*args)
+    assert torch.equal(got.cpu(), want.cpu())
+    accepted = want[:, 0].cpu()
+    assert (accepted <= num).all() and (width == 0 or accepted.max() > 0)
+    for i in range(n):  # the reference itself: longest agreeing prefix, then the next argmax
+        a = int(accepted[i])
+        rows_i = choice[int(start[i]):int(start[i]) + int(num[i]) + 1].tolist()
+        assert drafts[i, :a].tolist() == rows_i[:a]
+        assert a == num[i] or drafts[i, a] != rows_i[a]
+        assert int(want[i, 1]) == rows_i[a]
+
+
+@pytest.mark.parametrize("n,width,vocab", ACCEPT_CASES)
+def test_accept_sample_matches_reference(n, width, vocab) -> None:
+    g = torch.Generator().manual_seed(vocab + 1)
+    start, num = ragged_blocks(g, n, width)
+    rows = int((num + 1).sum())
+    # dyadic probabilities (k / 2^12) with zeros: every partial sum is exact in float32, so both
+    # implementations invert the same cumulative sums bit for bit
+    draws = torch.randint(0, vocab, (rows, 4096), generator=g)
+    probs = torch.stack([torch.bincount(d, minlength=vocab) for d in draws]).float() / 4096
+    drafts = torch.stack([torch.multinomial(probs[int(s)], max(width, 1), replacement=True,
+                                            generator=g)[:width] for s in start])
+    uniforms = torch.rand(n, width + 1, generator=g)
+    args = [t.to(DEVICE) for t in (probs, start, num, drafts, uniforms)]
+    got = triton_accept.accept_sample(*args)
+    want = reference.accept_sample(*args)
+    assert torch.equal(got.cpu(), want.cpu())
+    for i in range(n):
+        a, bonus = int(want[i, 0]), int(want[i, 1])
+        row = int(start[i]) + a
+        assert probs[row, bonus] > 0
+        if a < num[i]:  # the rejected draft is never the bonus
+            assert bonus != int(drafts[i, a])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False], ids=["k_norm", "no_norm"])
+def test_store_context_kv_matches_reference(dtype, norm) -> None:
+    g = torch.Generator().manual_seed(7)
+    tokens, heads, d, slots_total, max_pos = 7, 3, 32, 40, 100
+    k, v = (torch.randn(tokens, heads, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype) if norm else None
+    angles = torch.rand(max_pos, d // 2, generator=g) * 6
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    positions = torch.randint(0, max_pos, (tokens,), generator=g).to(DEVICE)
+    slots = torch.randperm(slots_total, generator=g)[:tokens].to(DEVICE)
+    caches = [[torch.zeros(slots_total, heads, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+              for _ in range(2)]
+    for fn, (kc, vc) in zip((reference.store_context_kv, triton_context_kv.store_context_kv),
+                            caches):
+        fn(k, v, weight, 1e-6, cos, sin, positions, slots, kc, vc)
+    (k_want, v_want), (k_got, v_got) = caches
+    # the reference rounds to bfloat16 after each op, the kernel once: a few units in the last place
+    rtol = 0 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(k_got.float(), k_want.float(), atol=ATOL[dtype], rtol=rtol)
+    assert torch.equal(v_got, v_want)
+    untouched = torch.ones(slots_total, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert not k_got[untouched.to(DEVICE)].any()  # nothing written outside the slots
+
+
 def test_head_dim_must_be_a_power_of_two() -> None:
     q = torch.zeros(1, 2, 24)
     cache = torch.zeros(4, 2, 24)
@@ -125,13 +219,17 @@ def test_dispatch_registers_triton_and_auto_keeps_cpu_on_reference(backend) -> N
     backend("triton")
     assert dispatch._pick("paged_attention", "cpu") is triton_attention.paged_attention
     assert dispatch._pick("store_kv", "cpu") is reference.store_kv  # no Triton store_kv
+    for name in ("accept_greedy", "accept_sample", "store_context_kv"):
+        assert dispatch._pick(name, "cpu").__module__.endswith(("triton_accept",
+                                                                "triton_context_kv"))
 
 
 def test_engine_greedy_tokens_equal_reference(tmp_path, backend, monkeypatch) -> None:
     backend("triton")  # registers the Triton kernels, which are then wrapped to count calls
-    calls = {"paged_attention": 0, "draft_attention": 0}
+    calls = {"paged_attention": 0, "draft_attention": 0, "accept_greedy": 0,
+             "store_context_kv": 0}
     for name in calls:
-        def counted(*args, _fn=getattr(triton_attention, name), _name=name):
+        def counted(*args, _fn=dispatch._BACKENDS["triton"][name], _name=name):
             calls[_name] += 1
             return _fn(*args)
         monkeypatch.setitem(dispatch._BACKENDS["triton"], name, counted)
@@ -151,4 +249,31 @@ def test_engine_greedy_tokens_equal_reference(tmp_path, backend, monkeypatch) ->
             outputs.append([c.output_ids for c in engine.generate(prompts, params)])
         assert outputs[0] == outputs[1], d
         assert all(len(o) == 6 for o in outputs[0])
-    assert calls["paged_attention"] > 0 and calls["draft_attention"] > 0, calls
+    assert all(calls.values()), calls
+
+
+def test_engine_sampling_through_triton_accept(tmp_path, backend) -> None:
+    """Speculative sampling with the Triton accept kernel: seeded runs repeat, tokens stay in the
+    top-k support at every position, and drafts get accepted."""
+    backend("triton")
+    hf = make_hf_model("qwen3", vocab_size=8, bos_token_id=None, eos_token_id=None)
+    hf.save_pretrained(tmp_path / "target")
+    model = load_model(tmp_path / "target", dtype=torch.float32, device=DEVICE)
+    make_dflash_checkpoint(tmp_path / "draft", hf.config, num_layers=1, block_size=4)
+    drafter = load_drafter(tmp_path / "draft", model)
+    params = [SamplingParams(temperature=0.8, top_k=2, seed=s, max_new_tokens=6) for s in range(4)]
+    prompt = [3, 1, 4, 1, 5]  # a small vocabulary, so that a random drafter gets accepted
+    runs = []
+    for _ in range(2):
+        engine = Engine(model, CacheConfig(4, 256), drafter=drafter, spec=SpecConfig(4))
+        runs.append([c.output_ids for c in engine.generate([prompt] * 4, params)])
+    assert runs[0] == runs[1] and len(set(map(tuple, runs[0]))) > 1
+    assert engine.counters.accepted_tokens > 0
+    for out in runs[0]:  # every token is one of the target's top 2 after its prefix
+        ids = prompt + out
+        with torch.no_grad():
+            hidden = model(torch.tensor(ids, device=DEVICE), torch.arange(len(ids), device=DEVICE),
+                           DenseCausal([len(ids)], model.attention_scale)).hidden
+        logits = model.logits(hidden)
+        top2 = logits[len(prompt) - 1:-1].topk(2, dim=-1).indices.tolist()
+        assert all(t in top for t, top in zip(out, top2))

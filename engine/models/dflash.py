@@ -2,7 +2,8 @@
 
 One draft step for N sequences (spec: shared/specs/dflash.md), tokens flattened as N blocks of B:
 1. `context_features(captured)` fuses the target's captured hidden states of newly committed
-   positions into ctx [T, H]; `context_kv(layer, ctx, positions)` is each layer's K/V of them.
+   positions into ctx [T, H]; `context_kv(layer, ctx, positions)` is each layer's K/V of them
+   (`store_context_kv` writes it into cache slots with one fused kernel).
    Context rows never get queries, so the engine caches that K/V per drafter layer (the
    drafter's warm state); context key j of a sequence sits at position j.
 2. `embed_block(target, block_input_ids(anchors))` embeds [anchor, MASK x (B-1)] with the
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentflash.kernels import dispatch
 from ..attention import AttentionBackend
 from ..config import read_config_json
 from ..errors import CheckpointError
@@ -107,17 +109,37 @@ class DFlashDraftModel(nn.Module):
     def context_kv(
         self, layer: int, ctx: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s keys (k_norm, RoPE at `positions` [T]) and values [T, Hkv, D] of ctx."""
+        """Layer `layer`'s keys (k_norm, RoPE at `positions` [T]) and values [T, Hkv, D] of ctx
+        (differentiable: the training path)."""
+        attn = self.layers[layer].self_attn
+        k, v = self._context_projection(layer, ctx)
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        return apply_rope(attn.k_norm(k), cos, sin), v
+
+    def store_context_kv(
+        self, layer: int, ctx: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> None:
+        """`context_kv` written straight into cache `slots` [T]: after the projection, k_norm,
+        RoPE and the store are one fused kernel (kernels.dispatch.store_context_kv)."""
+        k, v = self._context_projection(layer, ctx)
+        norm = self.layers[layer].self_attn.k_norm
+        weight, eps = (norm.weight, norm.eps) if isinstance(norm, RMSNorm) else (None, 0.0)
+        dispatch.store_context_kv(k, v, weight, eps, self.rotary.cos_half, self.rotary.sin_half,
+                                  positions, slots, k_cache, v_cache)
+
+    def _context_projection(
+        self, layer: int, ctx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s raw keys and values [T, Hkv, D] of ctx: the K/V rows of its qkv_proj."""
         attn = self.layers[layer].self_attn
         q_size, kv_size, _ = attn.split_sizes
         weight, bias = attn.qkv_proj.weight, attn.qkv_proj.bias
         kv = F.linear(ctx, weight[q_size:], None if bias is None else bias[q_size:])
         k, v = kv.split(kv_size, dim=-1)
         n = ctx.shape[0]
-        k = k.view(n, attn.num_kv_heads, attn.head_dim)
-        v = v.view(n, attn.num_kv_heads, attn.head_dim)
-        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        return apply_rope(attn.k_norm(k), cos, sin), v
+        return (k.view(n, attn.num_kv_heads, attn.head_dim),
+                v.view(n, attn.num_kv_heads, attn.head_dim))
 
     def forward(
         self, block_hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
