@@ -142,13 +142,16 @@ class Runtime:
         self.pricing = pricing
         self.log = RunLog(log) if log is not None else None
         # step times at batch 1: a plain decode step is the counterfactual of
-        # saved_by_speculation_usd, and spec / plain is the acceptance length speculation needs
-        # to pay off (speculation="auto" stops speculating for requests below it)
-        self.plain_decode_s, self.spec_step_s = (
-            self._measure_steps() if engine.drafter is not None else (0.0, 0.0))
-        self.break_even_tau = self.spec_step_s / self.plain_decode_s if self.spec_step_s else 0.0
-        if speculation == "auto" and engine.drafter is not None:
-            engine.spec = dataclasses.replace(engine.spec, min_tau=self.break_even_tau)
+        # saved_by_speculation_usd, and the cost of speculative steps in plain steps is what
+        # speculation="auto" weighs a request's acceptance against (how many drafts to verify)
+        self.plain_decode_s, self.step_cost = 0.0, None
+        if engine.drafter is not None:
+            self.plain_decode_s, self.step_cost = engine.measure_step_cost()
+            if speculation == "auto":
+                engine.spec = dataclasses.replace(engine.spec, cost=self.step_cost)
+        # the acceptance length a full block must reach to beat plain decoding
+        self.break_even_tau = (self.step_cost.speculative(engine.block_size)
+                               if self.step_cost is not None else 0.0)
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Condition()
         self._live: dict[int, Generation] = {}
@@ -179,8 +182,10 @@ class Runtime:
         DFlash checkpoint. cache=None sizes the KV pool for 16 full contexts. session_ttl
         (seconds): an idle agent's pinned KV becomes evictable after that long. pricing: what
         compute or tokens cost (`Usage.cost`); log: a JSONL run log every agent writes to.
-        speculation="auto": a request stops speculating (decodes token by token, same output)
-        once its acceptance is below the break-even measured at load; "always": never stops."""
+        speculation="auto": after 4 full blocks, each request verifies as many drafts as commit
+        the most tokens per unit of time given its acceptance so far and the step costs measured
+        at load, and decodes token by token once speculation does not pay (same output either
+        way); "always": every step verifies a full block."""
         model_dir = resolve_model(model)
         dev = resolve_device(device)
         target = load_model(model_dir, dtype=resolve_dtype(dtype, dev), device=dev)
@@ -200,29 +205,6 @@ class Runtime:
                         spec=SpecConfig(block_size), detokenize=tokenizer.decode)
         return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log,
                    speculation)
-
-    def _measure_steps(self, context: int = 256, steps: int = 8) -> tuple[float, float]:
-        """Seconds of a plain decode step and of a speculative step (drafter forward + verify
-        of a full block) at batch 1, measured on this engine before its thread starts."""
-        engine = self.engine
-        vocab = engine.config.vocab_size
-        prompt = [(7 * i + 11) % vocab for i in range(context)]
-        params = SamplingParams(max_new_tokens=(steps + 2) * engine.block_size, ignore_eos=True)
-        spec, engine.spec = engine.spec, dataclasses.replace(engine.spec, min_tau=None)
-        times = []
-        for speculative in (False, True):
-            seq_id = engine.submit(prompt, params, speculative=speculative)
-            engine.step()                        # prefill
-            for _ in range(steps + 1):           # a warm-up step, then the timed ones
-                engine.step()
-            c = engine._seqs[seq_id].counters
-            engine.abort(seq_id)
-            engine.result(seq_id)
-            engine.clear_cache()
-            forwards = c.draft_forwards if speculative else c.decode_tokens
-            times.append((c.decode_compute_s + c.draft_compute_s) / max(1, forwards))
-        engine.spec = spec
-        return times[0], times[1]
 
     # ---- public ---------------------------------------------------------------------------
 

@@ -200,16 +200,29 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StepCost:
+    """Measured step times in units of one plain decode step (batch 1; `Engine.measure_step_cost`):
+    `draft` is a drafter forward, `verify[k - 1]` a target forward over k tokens (verify[0] = 1)."""
+
+    draft: float
+    verify: tuple[float, ...]
+
+    def speculative(self, k: int) -> float:
+        """A speculative step that verifies k tokens: the anchor and k - 1 drafts."""
+        return self.draft + self.verify[k - 1]
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding settings. block_size None: the drafter checkpoint's own.
 
-    min_tau: a request whose mean acceptance length (tokens committed per verify step) is below
-    this after `probe_steps` verify steps decodes token by token for the rest of the request
-    (lossless either way). Set it to the measured break-even: a speculative step's time over a
-    plain step's. None: always speculate."""
+    cost: with step costs, each request verifies, after `probe_steps` full blocks, the number of
+    drafts that commits the most tokens per unit of time given its own acceptance so far (and
+    decodes token by token once no number beats a plain step); lossless either way. None: every
+    verify step checks the whole block."""
 
     block_size: int | None = None
-    min_tau: float | None = None
+    cost: StepCost | None = None
     probe_steps: int = 4
     MIN_BLOCK = 2
     MAX_BLOCK = 16

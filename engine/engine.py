@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence as Seq
 
 import torch
 
-from .config import CacheConfig, SchedulerConfig, SpecConfig
+from .config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
 from .constraint import TokenConstraint, masked, propose, settle
 from .errors import ContextLengthError, RequestError
 from .kv.manager import KVManager, Pin
@@ -28,7 +28,7 @@ from .runner import ModelRunner
 from .sampler import SamplingParams, make_generator
 from .scheduler import BatchItem, Scheduler
 from .sequence import SeqCounters, Sequence, Status
-from .spec import Rows, Verdict, judge
+from .spec import Rows, Verdict, judge, verify_length
 
 
 @dataclass
@@ -329,14 +329,16 @@ class Engine:
             c.acceptance_lengths.append(kept)
             if len(c.accepted_per_position) < self.block_size - 1:
                 c.accepted_per_position.extend([0] * (self.block_size - 1))
+                c.verified_per_position.extend([0] * (self.block_size - 1))
             for k in range(verdict.accepted):
                 c.accepted_per_position[k] += 1
+            for k in range(len(draft)):
+                c.verified_per_position[k] += 1
             if c.drafts is not None:
                 c.drafts.append(list(draft))
-            probed = len(c.acceptance_lengths) >= self.spec.probe_steps
-            if probed and self.spec.min_tau is not None and \
-                    sum(c.acceptance_lengths) < self.spec.min_tau * len(c.acceptance_lengths):
-                seq.block_size = 1  # speculation does not pay for this request: decode plainly
+            if self.spec.cost is not None and len(c.acceptance_lengths) >= self.spec.probe_steps:
+                seq.block_size = verify_length(c.accepted_per_position, c.verified_per_position,
+                                               self.block_size, self.spec.cost)
             update.draft_tokens, update.accepted_tokens = len(draft), verdict.accepted
             self.counters.draft_tokens += len(draft)
             self.counters.accepted_tokens += verdict.accepted
@@ -392,3 +394,50 @@ class Engine:
             if r.error is not None:
                 raise r.error
         return results
+
+    def measure_step_cost(self, context: int = 256, steps: int = 8) -> tuple[float, StepCost]:
+        """Seconds of a plain decode step at batch 1 after a `context`-token prompt (shorter where
+        the model's context is), and the cost of drafter forwards and of verifying 2, 4, 8 ..
+        block_size tokens in units of it (linear in between), measured on one request of this
+        engine. Call it before serving: it needs an idle engine and clears the prefix cache."""
+        assert self.drafter is not None and not self.has_work(), "needs an idle speculative engine"
+        lengths = [k for k in (1, 2, 4, 8) if k < self.block_size] + [self.block_size]
+        budget = (steps + 1) * sum(lengths) + 1
+        context = min(context, self.max_model_len - budget)  # a short model: a shorter prompt
+        if context < 1:
+            raise ContextLengthError(f"measuring needs more than {budget} positions")
+        prompt = [(7 * i + 11) % self.config.vocab_size for i in range(context)]
+        spec, self.spec = self.spec, replace(self.spec, cost=None)
+        seq_id = self.submit(prompt, SamplingParams(max_new_tokens=budget, ignore_eos=True))
+        seq, c = self._seqs[seq_id], self._seqs[seq_id].counters
+        self.step()  # prefill
+        target, draft = [], []
+        for k in lengths:
+            seq.block_size = k
+            self.step()  # warm-up at this length
+            t0, d0 = c.decode_compute_s, c.draft_compute_s
+            for _ in range(steps):
+                self.step()
+            target.append((c.decode_compute_s - t0) / steps)
+            draft.append((c.draft_compute_s - d0) / steps)
+        self.abort(seq_id)
+        self.result(seq_id)
+        self.clear_cache()
+        self.spec = spec
+        plain = target[0]
+        verify = tuple(float(v) / plain for v in
+                       _interpolate(lengths, target, range(1, self.block_size + 1)))
+        return plain, StepCost(sum(draft[1:]) / len(draft[1:]) / plain, verify)
+
+
+def _interpolate(xs: list[int], ys: list[float], at: Iterable[int]) -> list[float]:
+    """Piecewise-linear y at each point of `at` through the points (xs, ys), xs increasing."""
+    out = []
+    for x in at:
+        i = max(j for j in range(len(xs)) if xs[j] <= x)
+        if xs[i] == x or i == len(xs) - 1:
+            out.append(ys[i])
+        else:
+            t = (x - xs[i]) / (xs[i + 1] - xs[i])
+            out.append(ys[i] + t * (ys[i + 1] - ys[i]))
+    return out

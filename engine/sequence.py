@@ -33,6 +33,7 @@ class SeqCounters:
     draft_context_tokens: int = 0     # positions whose drafter context K/V was computed
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per verify
     accepted_per_position: list[int] = field(default_factory=list)  # index k: draft k accepted
+    verified_per_position: list[int] = field(default_factory=list)  # index k: draft k verified
     drafts: list[list[int]] | None = None  # proposals per step, when tracing
     # time.perf_counter() stamps: submitted, admitted (KV reserved), first token, finished
     submitted_at: float = 0.0

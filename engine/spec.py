@@ -13,6 +13,7 @@ comes from the row after the last accepted draft. A plain decode row is a block 
 
 `judge` verifies a whole batch with one kernel launch per rule (kernels.dispatch.accept_greedy /
 accept_sample) and one host sync each; each request's random numbers come from its own generator.
+`verify_length` chooses how many of a block's drafts a request should verify at all.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels import dispatch
+from .config import StepCost
 from .sampler import SamplingParams, target_probs
 
 
@@ -79,3 +81,22 @@ def _layout(batch: list[Rows], device: torch.device) -> tuple[torch.Tensor, ...]
     table = [[r.start, len(r.drafts), *r.drafts, *[0] * (width - len(r.drafts))] for r in batch]
     t = torch.tensor(table, dtype=torch.long, device=device)
     return t[:, 0], t[:, 1], t[:, 2:]
+
+
+def verify_length(accepted: list[int], attempted: list[int], block_size: int,
+                  cost: StepCost) -> int:
+    """Tokens to verify per step (1: decode plainly) that commit the most per unit of time.
+
+    accepted[j] counts verify steps that accepted draft j (and so every draft before it),
+    attempted[j] those that verified it. A step verifying k tokens commits on average
+    1 + sum over j < k-1 of accepted[j] / attempted[j], for cost.speculative(k) plain steps; a
+    plain step commits 1 for 1. Positions never verified are not extrapolated."""
+    best, best_rate, expected = 1, 1.0, 1.0
+    for j in range(min(block_size - 1, len(attempted))):
+        if not attempted[j]:
+            break
+        expected += accepted[j] / attempted[j]
+        rate = expected / cost.speculative(j + 2)
+        if rate > best_rate:
+            best, best_rate = j + 2, rate
+    return best

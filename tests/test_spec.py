@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from agentflash.engine.attention import DenseCausal
-from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig
+from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
 from agentflash.engine.engine import Engine
 from agentflash.engine.errors import DrafterMismatchError
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams, target_probs
+from agentflash.engine.spec import verify_length
 from conftest import make_dflash_checkpoint, make_hf_model
 
 
@@ -206,20 +207,50 @@ def test_bad_speculative_settings_are_clear(tmp_path, pair):
         load_drafter(tmp_path / "badmask", model)
 
 
-def test_requests_below_min_tau_stop_speculating_losslessly(pair):
+def test_verify_length_maximises_tokens_per_unit_of_time():
+    cost = StepCost(draft=0.2, verify=tuple(1 + 0.1 * k for k in range(16)))
+    seen = [100] * 15
+    accepted = [90, 80, 10] + [0] * 12
+    # k tokens commit 1 + 0.9 + 0.8 + ... for 0.2 + 1 + 0.1 (k - 1): 1.46, 1.93, 1.87, 1.75 ...
+    assert verify_length(accepted, seen, 16, cost) == 3
+    assert verify_length(accepted, seen, 2, cost) == 2            # never past the block
+    assert verify_length(accepted, seen, 16, StepCost(5.0, cost.verify)) == 1  # never pays
+    flat = StepCost(0.1, (1.0,) * 16)                            # a GPU: verifying is free
+    assert verify_length([50] * 15, seen, 16, flat) == 16
+    # positions never verified are not extrapolated: a request shortened to 3 stays <= 3 ...
+    assert verify_length([90, 80] + [0] * 13, [100, 100] + [0] * 13, 16, flat) == 3
+    assert verify_length([], [], 16, flat) == 1                  # ... and with no data, plain
+
+
+def test_step_costs_shorten_verification_losslessly(pair):
     model, drafter = pair
     params = SamplingParams(max_new_tokens=40)
-    prompts = prompts_for(4, 16, seed=77)
+    prompts = prompts_for(6, 16, seed=77)
     plain = Engine(model, CacheConfig(4, 512)).generate(prompts, params)
-    for min_tau, probes in ((100.0, 3), (None, 3)):
+    never = StepCost(100.0, (1.0,) * 8)                          # speculation never pays
+    steep = StepCost(0.0, tuple(1.0 + 0.2 * k for k in range(8)))  # each verified token: +0.2
+    for cost, probes in ((never, 3), (steep, 2), (None, 3)):
         spec = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                      spec=SpecConfig(8, min_tau=min_tau, probe_steps=probes)).generate(
-                          prompts, params)
+                      spec=SpecConfig(8, cost=cost, probe_steps=probes)).generate(
+                          prompts, params, trace=True)
         assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
-        for c in spec:
-            if min_tau is None:
-                assert c.counters.draft_forwards > probes
-            else:  # probed, found not to pay, decoded the rest token by token
-                assert c.counters.draft_forwards == probes
+        lengths = [[len(d) for d in c.counters.drafts] for c in spec]
+        for c, drafted in zip(spec, lengths):
+            assert drafted[:probes] == [7] * probes          # full blocks while probing
+            if cost is never:  # then token by token
+                assert len(drafted) == probes
                 assert c.counters.decode_tokens == probes * 8 + (
                     len(c.output_ids) - 1 - sum(c.counters.acceptance_lengths))
+            elif cost is steep:  # then short blocks, or none
+                assert all(n < 7 for n in drafted[probes:])
+            else:  # always full blocks (shorter only in the last steps, where the budget ends)
+                assert drafted[:-7] == [7] * (len(drafted) - 7) and len(drafted) > probes
+
+
+def test_measured_step_costs_are_relative_to_a_plain_step(pair):
+    model, drafter = pair
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(8))
+    plain_s, cost = engine.measure_step_cost(context=16, steps=2)
+    assert plain_s > 0 and cost.draft > 0
+    assert len(cost.verify) == 8 and cost.verify[0] == 1.0 and min(cost.verify) > 0
+    assert not engine.has_work() and engine.kv.stats()["pages_cached"] == 0

@@ -5,12 +5,14 @@
 
 Prompts are the test split's assistant turns (tools/drafter_data.py's prompts), sampled with the
 seed up to --per-bucket per prompt-length bucket (0-512, 512-1024, 1024-2048, 2048+ tokens).
-Each prompt runs greedy at batch 1, once with speculation and once without (two engines over the
-same weights, alternating which goes first), and the script reports:
+Each prompt runs greedy at batch 1 on three engines over the same weights, in rotating order:
+"spec" verifies every full block (its acceptance is the drafter's), "auto" is what
+`Runtime.load()` serves (step costs measured here at start; each request verifies the number of
+drafts that pays best, or none), "plain" decodes token by token. The script reports:
 - acceptance: mean tau (tokens committed per verify), accepted share per block position, tau per
   context-length bucket, and the same for a freshly initialised drafter (--random-baseline);
-- speed: decode tokens/s of both (time after the first token, so prefill is not counted) and
-  their ratio, summed over all prompts, per bucket and overall;
+- speed: decode tokens/s of each (time after the first token, so prefill is not counted) and
+  the ratios to plain, summed over all prompts, per bucket and overall;
 - equality: how many speculative outputs differ from plain ones (must be 0);
 - tool calls: for turns whose reference reply calls a tool, the share of plain outputs whose
   `<tool_call>` blocks are well-formed JSON `{"name", "arguments"}`, name a tool of the prompt,
@@ -20,6 +22,7 @@ same weights, alternating which goes first), and the script reports:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import re
@@ -154,42 +157,49 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     pages = -(-max_len // 16) + 4
     spec = Engine(target, CacheConfig(16, pages), drafter=drafter, spec=SpecConfig(args.block_size))
+    auto = Engine(target, CacheConfig(16, pages), drafter=drafter, spec=SpecConfig(args.block_size))
     plain = Engine(target, CacheConfig(16, pages))
-    for engine in (spec, plain):  # warm up
+    for engine in (spec, auto, plain):  # warm up
         run_one(engine, prompts[0].ids[-64:], SamplingParams(max_new_tokens=8))
-    print(f"{len(prompts)} prompts, {device} {dtype}, block size {args.block_size}", flush=True)
+    plain_step_s, cost = auto.measure_step_cost()
+    auto.spec = SpecConfig(args.block_size, cost=cost)
+    print(f"{len(prompts)} prompts, {device} {dtype}, block size {args.block_size}; plain step "
+          f"{1e3 * plain_step_s:.1f} ms, drafter {cost.draft:.2f} and verify of 2/4/8/16 tokens "
+          f"{', '.join(f'{cost.verify[k - 1]:.2f}' for k in (2, 4, 8, 16))} plain steps",
+          flush=True)
 
     rows = []
+    engines = [("spec", spec), ("auto", auto), ("plain", plain)]
     for i, prompt in enumerate(prompts):
-        order = [("spec", spec), ("plain", plain)]
-        if i % 2:
-            order.reverse()
+        order = engines[i % 3:] + engines[: i % 3]
         res = {name: run_one(engine, prompt.ids, params) for name, engine in order}
         text = enc.tok.decode(res["plain"]["output"])
         reference = enc.tok.decode(prompt.reply)
-        row = {"prompt_tokens": len(prompt.ids), "bucket": bucket_name(len(prompt.ids)),
-               "spec": res["spec"], "plain": res["plain"],
-               "equal": res["spec"]["output"] == res["plain"]["output"]}
+        row = {"prompt_tokens": len(prompt.ids), "bucket": bucket_name(len(prompt.ids)), **res,
+               "equal": res["spec"]["output"] == res["plain"]["output"]
+               and res["auto"]["output"] == res["plain"]["output"]}
         if prompt.tools and "<tool_call>" in reference:
             row["tool_calls"] = tool_call_check(text, prompt.tools)
         rows.append(row)
         c = res["spec"]["counters"]
         tau = sum(c.acceptance_lengths) / max(1, len(c.acceptance_lengths))
         print(f"[{i + 1}/{len(prompts)}] {len(prompt.ids):5d} tokens  tau {tau:5.2f}  "
-              f"spec {res['spec']['decode_s']:.2f}s plain {res['plain']['decode_s']:.2f}s  "
-              f"equal {row['equal']}", flush=True)
+              f"spec {res['spec']['decode_s']:.2f}s auto {res['auto']['decode_s']:.2f}s "
+              f"plain {res['plain']['decode_s']:.2f}s  equal {row['equal']}", flush=True)
 
     def speed(group: list[dict]) -> dict:
         out = {}
-        for name in ("spec", "plain"):
+        for name in ("spec", "auto", "plain"):
             toks = sum(len(r[name]["output"]) - 1 for r in group)
             secs = sum(r[name]["decode_s"] for r in group)
             out[f"{name}_tokens_per_s"] = toks / secs
         out["speedup"] = out["spec_tokens_per_s"] / out["plain_tokens_per_s"]
+        out["auto_speedup"] = out["auto_tokens_per_s"] / out["plain_tokens_per_s"]
         return out
 
     report: dict = {"model": str(model_dir), "drafter": str(draft_dir), "device": str(device),
                     "dtype": str(dtype), "prompts": len(rows), "block_size": args.block_size,
+                    "plain_step_ms": 1e3 * plain_step_s, "step_cost": dataclasses.asdict(cost),
                     "max_new_tokens": args.max_new_tokens,
                     "outputs_differing": sum(not r["equal"] for r in rows),
                     **summarize_acceptance([r["spec"] for r in rows], args.block_size),
