@@ -31,11 +31,6 @@ class Verdict(NamedTuple):
     accepted: int          # drafts accepted (0 .. len(drafts))
     bonus: int             # the target's own token after them
 
-    @property
-    def tokens(self) -> int:
-        """Tokens committed by this verify step (tau)."""
-        return self.accepted + 1
-
 
 class Rows(NamedTuple):
     """One request's part of a step's logits: rows start .. start + len(drafts)."""
