@@ -336,7 +336,7 @@ class Agent:
             usage = Usage.from_counters(
                 done.counters, len(prompt), len(output), rt.target_params, rt.draft_params,
                 rt.engine.block_size, str(rt.engine.device), tool_s, time.perf_counter() - t0,
-                rt.pricing, rt.plain_decode_s)
+                rt.pricing, rt.plain_step_s(len(prompt) + len(output) // 2))
             self._turns += message is not None
             self._steps += 1
             step = Step(text, calls, results, None, is_final, usage, done.finish_reason,

@@ -22,7 +22,7 @@ import anyio
 import sniffio
 import torch
 
-from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig
+from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
 from agentflash.engine.constraint import TokenConstraint
 from agentflash.engine.device import resolve_device, resolve_dtype
 from agentflash.engine.engine import Completion, Engine, SeqUpdate
@@ -141,14 +141,19 @@ class Runtime:
                              if engine.drafter is not None else 0)
         self.pricing = pricing
         self.log = RunLog(log) if log is not None else None
-        # step times at batch 1: a plain decode step is the counterfactual of
-        # saved_by_speculation_usd, and the cost of speculative steps in plain steps is what
-        # speculation="auto" weighs a request's acceptance against (how many drafts to verify)
-        self.plain_decode_s, self.step_cost = 0.0, None
+        # step times at batch 1: plain decode steps (at a short and a long context: attention
+        # grows with it) are the counterfactual of saved_by_speculation_usd, and the cost of
+        # speculative steps in plain steps is what speculation="auto" weighs a request's
+        # acceptance against (how many drafts to verify)
+        self.step_cost: StepCost | None = None
+        self._plain_at: tuple[tuple[int, float], ...] = ()
         if engine.drafter is not None:
-            self.plain_decode_s, self.step_cost = engine.measure_step_cost()
+            _, self.step_cost = engine.measure_step_cost()
             if speculation == "auto":
                 engine.spec = dataclasses.replace(engine.spec, cost=self.step_cost)
+            short, long = 256, min(2048, engine.max_model_len // 2)
+            self._plain_at = ((short, engine.measure_plain_step(short)),
+                              (long, engine.measure_plain_step(long)))
         # the acceptance length a full block must reach to beat plain decoding
         self.break_even_tau = (self.step_cost.speculative(engine.block_size)
                                if self.step_cost is not None else 0.0)
@@ -205,6 +210,15 @@ class Runtime:
                         spec=SpecConfig(block_size), detokenize=tokenizer.decode)
         return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log,
                    speculation)
+
+    def plain_step_s(self, context: int) -> float:
+        """A plain decode step's seconds at batch 1 with `context` tokens before it: linear
+        through the two measured at load (never below the shorter one's). 0 without a drafter."""
+        if not self._plain_at:
+            return 0.0
+        (c0, t0), (c1, t1) = self._plain_at
+        slope = (t1 - t0) / (c1 - c0) if c1 > c0 else 0.0
+        return max(t0, t0 + slope * (context - c0))
 
     # ---- public ---------------------------------------------------------------------------
 

@@ -395,6 +395,27 @@ class Engine:
                 raise r.error
         return results
 
+    def measure_plain_step(self, context: int, steps: int = 8) -> float:
+        """Seconds of one plain decode step at batch 1 after a `context`-token prompt (clamped to
+        the model's context), measured on one request of this engine. Needs an idle engine and
+        clears the prefix cache."""
+        assert not self.has_work(), "needs an idle engine"
+        context = max(1, min(context, self.max_model_len - steps - 2))
+        prompt = [(7 * i + 11) % self.config.vocab_size for i in range(context)]
+        seq_id = self.submit(prompt, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True),
+                             speculative=False)
+        c = self._seqs[seq_id].counters
+        self.step()  # prefill
+        self.step()  # warm-up
+        t0 = c.decode_compute_s
+        for _ in range(steps):
+            self.step()
+        plain = (c.decode_compute_s - t0) / steps
+        self.abort(seq_id)
+        self.result(seq_id)
+        self.clear_cache()
+        return plain
+
     def measure_step_cost(self, context: int = 256, steps: int = 8) -> tuple[float, StepCost]:
         """Seconds of a plain decode step at batch 1 after a `context`-token prompt (shorter where
         the model's context is), and the cost of drafter forwards and of verifying 2, 4, 8 ..

@@ -151,3 +151,14 @@ async def test_opentelemetry_genai_spans(rt):
     for span in tools:
         assert span.attributes["gen_ai.tool.name"] == "add"
         assert span.parent.span_id == run.context.span_id
+
+
+def test_load_measures_step_costs_and_a_plain_step_that_grows_with_context(rt):
+    cost = rt.step_cost
+    assert cost is not None and cost.draft > 0 and cost.verify[0] == 1.0
+    assert len(cost.verify) == rt.engine.block_size
+    assert rt.break_even_tau == pytest.approx(cost.speculative(rt.engine.block_size))
+    short, long = rt.plain_step_s(256), rt.plain_step_s(4000)
+    assert 0 < short <= long  # attention over a longer context costs at least as much
+    assert rt.plain_step_s(0) == short  # never below the shortest measurement
+    assert rt.engine.spec.cost == cost  # speculation="auto" serves with them
