@@ -148,15 +148,12 @@ class Runtime:
         self.step_cost: StepCost | None = None
         self._plain_at: tuple[tuple[int, float], ...] = ()
         if engine.drafter is not None:
-            _, self.step_cost = engine.measure_step_cost()
+            cost = self.step_cost = engine.measure_step_cost()
             if speculation == "auto":
-                engine.spec = dataclasses.replace(engine.spec, cost=self.step_cost)
-            short, long = 256, min(2048, engine.max_model_len // 2)
-            self._plain_at = ((short, engine.measure_plain_step(short)),
+                engine.spec = dataclasses.replace(engine.spec, cost=cost)
+            long = min(2048, engine.max_model_len // 2)
+            self._plain_at = ((cost.context, cost.plain_s),
                               (long, engine.measure_plain_step(long)))
-        # the acceptance length a full block must reach to beat plain decoding
-        self.break_even_tau = (self.step_cost.speculative(engine.block_size)
-                               if self.step_cost is not None else 0.0)
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Condition()
         self._live: dict[int, Generation] = {}

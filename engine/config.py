@@ -202,10 +202,13 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class StepCost:
     """Measured step times in units of one plain decode step (batch 1; `Engine.measure_step_cost`):
-    `draft` is a drafter forward, `verify[k - 1]` a target forward over k tokens (verify[0] = 1)."""
+    `draft` is a drafter forward, `verify[k - 1]` a target forward over k tokens (verify[0] = 1).
+    The unit: `plain_s` seconds, a plain step after a `context`-token prompt."""
 
     draft: float
     verify: tuple[float, ...]
+    plain_s: float = 0.0
+    context: int = 0
 
     def speculative(self, k: int) -> float:
         """A speculative step that verifies k tokens: the anchor and k - 1 drafts."""

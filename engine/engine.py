@@ -396,44 +396,44 @@ class Engine:
         return results
 
     def measure_plain_step(self, context: int, steps: int = 8) -> float:
-        """Seconds of one plain decode step at batch 1 after a `context`-token prompt (clamped to
-        the model's context), measured on one request of this engine. Needs an idle engine and
-        clears the prefix cache."""
-        assert not self.has_work(), "needs an idle engine"
-        context = max(1, min(context, self.max_model_len - steps - 2))
-        prompt = [(7 * i + 11) % self.config.vocab_size for i in range(context)]
-        seq_id = self.submit(prompt, SamplingParams(max_new_tokens=steps + 2, ignore_eos=True),
-                             speculative=False)
-        c = self._seqs[seq_id].counters
-        self.step()  # prefill
-        self.step()  # warm-up
-        t0 = c.decode_compute_s
-        for _ in range(steps):
-            self.step()
-        plain = (c.decode_compute_s - t0) / steps
-        self.abort(seq_id)
-        self.result(seq_id)
-        self.clear_cache()
-        return plain
+        """Seconds of one plain decode step at batch 1 after a `context`-token prompt (shorter
+        where the model's context is). Needs an idle engine; clears the prefix cache."""
+        _, target, _ = self._time_blocks(context, [1], steps, speculative=False)
+        return target[0]
 
-    def measure_step_cost(self, context: int = 256, steps: int = 8) -> tuple[float, StepCost]:
-        """Seconds of a plain decode step at batch 1 after a `context`-token prompt (shorter where
-        the model's context is), and the cost of drafter forwards and of verifying 2, 4, 8 ..
+    def measure_step_cost(self, context: int = 256, steps: int = 8) -> StepCost:
+        """A plain decode step at batch 1 after a `context`-token prompt (shorter where the
+        model's context is), and the cost of drafter forwards and of verifying 2, 4, 8 ..
         block_size tokens in units of it (linear in between), measured on one request of this
         engine. Call it before serving: it needs an idle engine and clears the prefix cache."""
-        assert self.drafter is not None and not self.has_work(), "needs an idle speculative engine"
+        assert self.drafter is not None, "needs a speculative engine"
         lengths = [k for k in (1, 2, 4, 8) if k < self.block_size] + [self.block_size]
-        budget = (steps + 1) * sum(lengths) + 1
+        context, target, draft = self._time_blocks(context, lengths, steps, speculative=True)
+        plain = target[0]
+        verify = tuple(float(v) / plain for v in
+                       _interpolate(lengths, target, range(1, self.block_size + 1)))
+        return StepCost(sum(draft[1:]) / len(draft[1:]) / plain, verify, plain, context)
+
+    def _time_blocks(
+        self, context: int, blocks: list[int], steps: int, speculative: bool
+    ) -> tuple[int, list[float], list[float]]:
+        """One synthetic request: a `context`-token prompt, then for each verify length in
+        `blocks` a warm-up step and `steps` timed steps. Returns the context used and the target
+        and drafter seconds per step of each length; leaves the engine idle with an empty cache."""
+        assert not self.has_work(), "needs an idle engine"
+        budget = (steps + 1) * sum(blocks) + 1
         context = min(context, self.max_model_len - budget)  # a short model: a shorter prompt
         if context < 1:
             raise ContextLengthError(f"measuring needs more than {budget} positions")
         prompt = [(7 * i + 11) % self.config.vocab_size for i in range(context)]
         spec, self.spec = self.spec, replace(self.spec, cost=None)
-        seq_id = self.submit(prompt, SamplingParams(max_new_tokens=budget, ignore_eos=True))
-        seq, c = self._seqs[seq_id], self._seqs[seq_id].counters
+        seq_id = self.submit(prompt, SamplingParams(max_new_tokens=budget, ignore_eos=True),
+                             speculative=speculative)
+        seq = self._seqs[seq_id]
+        c = seq.counters
         self.step()  # prefill
         target, draft = [], []
-        for k in lengths:
+        for k in blocks:
             seq.block_size = k
             self.step()  # warm-up at this length
             t0, d0 = c.decode_compute_s, c.draft_compute_s
@@ -445,10 +445,7 @@ class Engine:
         self.result(seq_id)
         self.clear_cache()
         self.spec = spec
-        plain = target[0]
-        verify = tuple(float(v) / plain for v in
-                       _interpolate(lengths, target, range(1, self.block_size + 1)))
-        return plain, StepCost(sum(draft[1:]) / len(draft[1:]) / plain, verify)
+        return context, target, draft
 
 
 def _interpolate(xs: list[int], ys: list[float], at: Iterable[int]) -> list[float]:
