@@ -219,7 +219,8 @@ class Engine:
         verify = [item for item in items if item.verifies]
         if verify:
             t0 = time.perf_counter()
-            logits = self.runner.draft(verify, self.block_size)
+            logits = self.runner.draft(verify, self.block_size,
+                                       max(item.num_tokens for item in verify) - 1)
             drafts = logits.argmax(-1).tolist()
             t_draft = time.perf_counter() - t0
             self.counters.draft_s += t_draft

@@ -12,6 +12,11 @@ from .models.qwen3 import CausalLM
 from .sampler import SamplingParams
 
 
+def prompts_of(examples: Sequence[Example]) -> list[list[int]]:
+    """Each example's prompt: its tokens before the first response (loss_mask 1) token."""
+    return [e.input_ids[: e.loss_mask.index(1) if 1 in e.loss_mask else None] for e in examples]
+
+
 def regenerate(
     target: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     ignore_eos: bool = False, cache: CacheConfig = CacheConfig(num_pages=4096),

@@ -81,10 +81,11 @@ class ModelRunner:
                                           self.pool.v[layer])
 
     @torch.inference_mode()
-    def draft(self, items: list[BatchItem], block_size: int) -> torch.Tensor:
+    def draft(self, items: list[BatchItem], block_size: int, drafts: int) -> torch.Tensor:
         """One drafter forward for the verify items: block [anchor, MASK x (B-1)] at positions
         start .. start+B-1 over each sequence's cached drafter context. Returns the drafter's logits
-        [N, B-1, V] for the B-1 draft positions."""
+        [N, drafts, V] for the first `drafts` (<= B-1) draft positions: the head runs only on the
+        positions some item verifies."""
         assert self.drafter is not None and self.draft_layers is not None
         cfg = self.drafter.config
         ids, positions, page_tables, ctx_lens = [], [], [], []
@@ -101,5 +102,5 @@ class ModelRunner:
         )
         block = self.drafter.embed_block(self.model, torch.tensor(ids, device=self.device))
         hidden = self.drafter(block, torch.tensor(positions, device=self.device), attn)
-        hidden = hidden.view(len(items), block_size, -1)[:, 1:]
+        hidden = hidden.view(len(items), block_size, -1)[:, 1 : 1 + drafts]
         return self.drafter.logits(self.model, hidden)

@@ -76,3 +76,21 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
     assert tok.decode(prompts[1].reply) == "There is one file, a.<|im_end|>"
     assert tok.decode(prompts[1].ids).endswith("</tool_response><|im_end|>\n"
                                                "<|im_start|>assistant\n")
+
+
+def test_drafter_data_adds_a_second_set_without_repeating_the_first(tmp_path: Path):
+    from agentflash.embedded import embedded_model_dir
+    from agentflash.engine.models.dflash_train import read_jsonl
+    from drafter_data import main, prompt_of
+
+    corpus = str(Path(__file__).parent / "data" / "heldout.jsonl")
+    tokenizer = str(embedded_model_dir())
+    first, second, every = (tmp_path / f"{n}.jsonl" for n in ("first", "second", "every"))
+    common = ["--corpus", corpus, "--tokenizer", tokenizer, "--per-conversation", "99"]
+    main([*common, "--out", str(every)])
+    main([*common, "--out", str(first), "--limit", "3"])
+    main([*common, "--out", str(second), "--seed", "1", "--exclude", str(first)])
+    a, b, n = read_jsonl(first), read_jsonl(second), len(read_jsonl(every))
+    assert len(a) == 3 and len(b) == n - 3 > 0
+    assert {prompt_of(e) for e in a} | {prompt_of(e) for e in b} == {
+        prompt_of(e) for e in read_jsonl(every)}

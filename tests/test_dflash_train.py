@@ -18,9 +18,11 @@ from agentflash.engine.models import CausalLM, load_model
 from agentflash.engine.models.dflash import DFlashConfig, DFlashDraftModel, LayerKind, load_drafter
 from agentflash.engine.models.dflash_train import (
     Example, TrainConfig, TrainLog, anchor_block_mask, build_batch, default_gamma, draft_hidden,
-    drafter_config_json, evaluate, init_drafter, position_weights, read_jsonl,
+    decode_walk, drafter_config_json, evaluate, init_drafter, position_weights, read_jsonl,
     save_drafter, train,
 )
+from agentflash.engine.engine import Engine
+from agentflash.engine.sampler import SamplingParams
 from agentflash.engine.regenerate import regenerate
 from agentflash.kernels import reference
 from conftest import make_dflash_checkpoint, make_hf_model, save_hf_model
@@ -223,6 +225,30 @@ def test_training_learns_the_targets_outputs(tiny: tuple[CausalLM, list[Example]
     assert after.accuracy[0] > before.accuracy[0] + 0.4 and after.tau > before.tau + 0.5
 
 
+def test_decode_walk_steps_past_the_accepted_tokens() -> None:
+    # response at positions 2..9; blocks at 2 accept 3 (commit 4), at 6 accept 0, at 7 accept 5
+    mask = [0, 0] + [1] * 8
+    leading = {a: 0 for a in range(2, 9)} | {2: 3, 6: 0, 7: 5}
+    assert decode_walk(mask, leading) == (7, 3)   # 4 + 1 + 2 (the response ends at 9)
+
+
+def test_decode_tau_is_the_engines_acceptance_length(tiny: tuple[CausalLM, list[Example]]
+                                                     ) -> None:
+    """Held-out scoring replays what serving does: the engine's greedy speculative decode of
+    the same prompts commits the same tokens per verify step."""
+    model, examples = tiny
+    drafter = init_drafter(model.config, block_size=4, num_layers=1, seed=0)
+    train(model, drafter, examples, TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup=0.1))
+    scores = evaluate(model, drafter, examples)
+    engine = Engine(model, drafter=drafter)
+    prompts = [e.input_ids[: e.loss_mask.index(1)] for e in examples]
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=20))
+    assert [p + c.output_ids for p, c in zip(prompts, done)] == [e.input_ids for e in examples]
+    lengths = [n for c in done for n in c.counters.acceptance_lengths]
+    assert scores.decode_tau == pytest.approx(sum(lengths) / len(lengths))
+    assert 1.2 < scores.decode_tau < scores.tau  # learned something; the anchor mean is higher
+
+
 def test_training_is_seeded(tiny: tuple[CausalLM, list[Example]]) -> None:
     model, examples = tiny
     config = TrainConfig(steps=2, batch_size=4, max_anchors=5, seed=7)
@@ -256,3 +282,9 @@ def test_cli_trains_a_loadable_drafter(tmp_path: Path) -> None:
     tool.main([*common, "--data", str(data), "--regenerate", "--save-data", str(again),
                "--out", str(tmp_path / "d2")])
     assert read_jsonl(again) == examples
+    # --init continues a drafter (a zero learning rate keeps it), over several data files
+    tool.main([*common, "--data", str(data), str(again), "--init", str(tmp_path / "d"),
+               "--lr", "1e-30", "--save-dtype", "float32", "--out", str(tmp_path / "d3")])
+    first, cont = (load_file(tmp_path / d / "model.safetensors") for d in ("d", "d3"))
+    assert first.keys() == cont.keys()
+    assert all(torch.allclose(first[k], cont[k]) for k in first)

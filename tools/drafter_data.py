@@ -9,6 +9,8 @@ the reply by the target's own greedy one (the spec trains drafters on target-reg
 responses). At most --per-conversation turns are taken from each conversation, chosen with the
 seed, and prompts longer than --max-prompt tokens are dropped, so that prompt+reply fits the
 model's context. --per-source balances the sources (BFCL categories, stdlib code and prose).
+--exclude skips the prompts of earlier files (a second set that adds to a first), --limit
+stops after that many examples.
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ import random
 
 from transformers import AutoTokenizer
 
-from agentflash.engine.models.dflash_train import Example, write_jsonl
+from agentflash.engine.models.dflash_train import Example, read_jsonl, write_jsonl
 from corpus import Tokenized, read_conversations
 
 
+def prompt_of(example: Example) -> tuple[int, ...]:
+    return tuple(example.input_ids[: example.loss_mask.index(1)])
+
+
 def examples(corpus: str, tokenizer_dir: str, per_conversation: int, max_prompt: int,
-             per_source: int | None, seed: int) -> list[Example]:
+             per_source: int | None, seed: int, exclude: frozenset[tuple[int, ...]] = frozenset(),
+             limit: int | None = None) -> list[Example]:
     enc = Tokenized(AutoTokenizer.from_pretrained(tokenizer_dir))
     rng = random.Random(seed)
     conversations = read_conversations(corpus)
@@ -33,8 +40,11 @@ def examples(corpus: str, tokenizer_dir: str, per_conversation: int, max_prompt:
     for conv in conversations:
         if per_source is not None and taken.get(conv["source"], 0) >= per_source:
             continue
-        prompts = [p for p in enc.prompts(conv) if len(p.ids) <= max_prompt]
+        prompts = [p for p in enc.prompts(conv)
+                   if len(p.ids) <= max_prompt and tuple(p.ids) not in exclude]
         for p in rng.sample(prompts, min(per_conversation, len(prompts))):
+            if limit is not None and len(out) >= limit:
+                return out
             out.append(Example(p.ids + p.reply, [0] * len(p.ids) + [1] * len(p.reply)))
             taken[conv["source"]] = taken.get(conv["source"], 0) + 1
     return out
@@ -49,9 +59,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prompt", type=int, default=3584)
     p.add_argument("--per-source", type=int, help="examples per corpus source at most")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exclude", nargs="+", default=[], metavar="JSONL",
+                   help="skip the prompts of these example files")
+    p.add_argument("--limit", type=int, help="examples at most")
     args = p.parse_args(argv)
+    exclude = frozenset(prompt_of(e) for path in args.exclude for e in read_jsonl(path))
     data = examples(args.corpus, args.tokenizer, args.per_conversation, args.max_prompt,
-                    args.per_source, args.seed)
+                    args.per_source, args.seed, exclude, args.limit)
     write_jsonl(args.out, data)
     lens = sorted(len(e.input_ids) for e in data)
     print(f"{len(data)} examples; tokens median {lens[len(lens) // 2]}, max {lens[-1]}, "

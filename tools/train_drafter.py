@@ -13,9 +13,13 @@ examples used (after regeneration) in the same format.
 
 --out receives a drafter checkpoint in the published format (config.json + model.safetensors,
 loadable by `load_drafter` and `agentflash --draft`) and training.json (arguments, last log,
-held-out scores with --holdout). The log prints the loss, the greedy acceptance length estimate
-tau and the accuracy at each block position. Runs are seeded: the same arguments give the same
-drafter on the same machine (unless --max-minutes cuts the run short).
+held-out scores with --holdout). The log prints the loss, tau (1 + the leading hits of a block,
+averaged over anchors) and the accuracy at each block position. The held-out score adds the
+decode tau: greedy speculative decoding replayed over the held-out responses, the acceptance
+length the engine will see. It is the lower one (a decode spends most of its steps where the
+drafter is wrong), and it is the number to compare with `tools/eval_drafter.py`. --init
+continues an earlier drafter, for example on more data. Runs are seeded: the same arguments
+give the same drafter on the same machine (unless --max-minutes cuts the run short).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from agentflash.engine.models.dflash_train import (
     Example, Scores, TrainConfig, TrainLog, evaluate, init_drafter, read_jsonl,
     save_drafter, train, write_jsonl,
 )
+from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
-from agentflash.engine.regenerate import regenerate
+from agentflash.engine.regenerate import prompts_of, regenerate
 from agentflash.engine.models.qwen3 import CausalLM
 
 
@@ -41,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", required=True, help="target checkpoint directory (Qwen3/Llama)")
     p.add_argument("--out", required=True, help="output drafter directory")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", help="JSONL training data (see above)")
+    source.add_argument("--data", nargs="+", help="JSONL training data (see above), one or more "
+                        "files read in order")
     source.add_argument("--random-prompts", type=int, metavar="N",
                         help="N random-token prompts with target-regenerated responses")
     p.add_argument("--regenerate", action="store_true",
@@ -49,7 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--response-len", type=int, default=64)
     p.add_argument("--save-data", help="write the training examples to this JSONL file")
-    p.add_argument("--holdout", type=int, default=0, help="examples kept out to score at the end")
+    p.add_argument("--holdout", type=int, default=0,
+                   help="examples kept out to score at the end (the first ones)")
+    p.add_argument("--init", metavar="DIR",
+                   help="continue training this drafter (its shape replaces --block-size, "
+                        "--layers, --target-layer-ids and --mask-token-id)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=1, help="drafter depth")
     p.add_argument("--target-layer-ids", help="comma list (default: the spec's spread)")
@@ -77,16 +87,16 @@ def load_examples(args: argparse.Namespace, target: CausalLM) -> list[Example]:
         prompts = torch.randint(0, target.config.vocab_size, (args.random_prompts, args.prompt_len),
                                 generator=g).tolist()
         return regenerate(target, prompts, args.response_len, ignore_eos=True)
-    examples = read_jsonl(args.data)
+    examples = [e for path in args.data for e in read_jsonl(path)]
     if not args.regenerate:
         return examples
-    prompts = [e.input_ids[: e.loss_mask.index(1) if 1 in e.loss_mask else None] for e in examples]
-    return regenerate(target, prompts, args.response_len)
+    return regenerate(target, prompts_of(examples), args.response_len)
 
 
 def describe(scores: Scores) -> str:
     acc = " ".join(f"{a:.2f}" for a in scores.accuracy)
-    return f"loss {scores.loss:.4f}  tau {scores.tau:.2f}  acc@k [{acc}]"
+    walk = "" if scores.decode_tau is None else f"  decode tau {scores.decode_tau:.2f}"
+    return f"loss {scores.loss:.4f}  tau {scores.tau:.2f}{walk}  acc@k [{acc}]"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,8 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     layer_ids = None
     if args.target_layer_ids:
         layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
-    drafter = init_drafter(target.config, args.block_size, args.layers, layer_ids,
-                           args.mask_token_id, args.seed).to(device)
+    if args.init:
+        drafter = load_drafter(args.init, target, dtype=torch.float32)
+    else:
+        drafter = init_drafter(target.config, args.block_size, args.layers, layer_ids,
+                               args.mask_token_id, args.seed).to(device)
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, max_anchors=args.anchors, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,

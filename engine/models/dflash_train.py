@@ -250,6 +250,7 @@ class LossOutput(NamedTuple):
     correct: torch.Tensor     # [B-1] argmax hits per block position k = 1..B-1
     counted: torch.Tensor     # [B-1] labels counted per position
     accepted: torch.Tensor    # [F] leading hits of each block whose B-1 labels all count
+    leading: torch.Tensor     # [M] leading hits of every block, up to its first uncounted label
 
 
 def block_loss(
@@ -265,14 +266,16 @@ def block_loss(
     with torch.no_grad():
         hits = torch.zeros_like(counted)
         hits[counted] = logits.argmax(-1) == labels
-        accepted = hits[counted.all(1)].long().cumprod(1).sum(1)
-    return LossOutput(loss, hits.sum(0), counted.sum(0), accepted)
+        leading = hits.long().cumprod(1).sum(1)
+        accepted = leading[counted.all(1)]
+    return LossOutput(loss, hits.sum(0), counted.sum(0), accepted, leading)
 
 
 class Scores(NamedTuple):
     loss: float                   # weighted cross-entropy, mean over batches
     accuracy: tuple[float, ...]   # argmax accuracy at block positions k = 1..B-1
-    tau: float                    # 1 + mean leading hits of full blocks: greedy acceptance length
+    tau: float                    # 1 + mean leading hits of full blocks, over all anchors
+    decode_tau: float | None = None  # tokens per verify step of a greedy decode (`decode_walk`)
 
 
 class Tally:
@@ -309,14 +312,38 @@ def evaluate(
     weights = position_weights(cfg.block_size, gamma)
     usable = [e for e in examples if anchor_candidates(e.loss_mask)]
     tally = Tally()
+    tokens = steps = 0
     for i in range(0, len(usable), batch_size):
         chunk = usable[i : i + batch_size]
         anchors = [anchor_candidates(e.loss_mask) for e in chunk]
         batch = build_batch(chunk, anchors, cfg.block_size, cfg.mask_token_id, target.device)
         with _autocast(target, drafter):
-            tally.add(block_loss(target, drafter, draft_hidden(target, drafter, batch), batch,
-                                 weights))
-    return tally.scores()
+            out = block_loss(target, drafter, draft_hidden(target, drafter, batch), batch,
+                             weights)
+        tally.add(out)
+        leading = iter(out.leading.tolist())
+        for example, seq_anchors in zip(chunk, anchors):
+            walked = decode_walk(example.loss_mask, dict(zip(seq_anchors, leading)))
+            tokens, steps = tokens + walked[0], steps + walked[1]
+    return tally.scores()._replace(decode_tau=tokens / max(1, steps))
+
+
+def decode_walk(loss_mask: Sequence[int], leading: dict[int, int]) -> tuple[int, int]:
+    """(tokens, verify steps) of greedy speculative decoding replayed over a response the target
+    generated itself, from the leading hits of the block at each anchor: the first response
+    token comes from prefill; each step anchors at the last committed token and commits its
+    leading hits plus the target's token after them; the next step anchors on that token.
+
+    This is the acceptance length the engine measures. The mean over all anchors (`Scores.tau`)
+    is higher: a decode spends few steps on easy stretches and many on hard ones, while every
+    anchor counts once in the mean."""
+    last = len(loss_mask) - 1
+    a = list(loss_mask).index(1)
+    tokens = steps = 0
+    while a in leading:
+        n = min(leading[a] + 1, last - a)
+        tokens, steps, a = tokens + n, steps + 1, a + n
+    return tokens, steps
 
 
 @dataclass(frozen=True)

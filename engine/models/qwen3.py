@@ -108,9 +108,12 @@ class CausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [..., vocab] (the matmul runs in the model dtype, as in HF)."""
+        """float32 logits [..., vocab] (the matmul runs in the model dtype, as in HF). Leading
+        dimensions are flattened first: on a strided 3-d view (the drafter's block rows) linear
+        would broadcast the head into a batched matmul several times slower on CPU."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        flat = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)
+        return flat.view(*hidden.shape[:-1], flat.shape[-1]).float()
 
     def forward(
         self,
