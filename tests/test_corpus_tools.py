@@ -81,7 +81,8 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
 def test_drafter_data_adds_a_second_set_without_repeating_the_first(tmp_path: Path):
     from agentflash.embedded import embedded_model_dir
     from agentflash.engine.models.dflash_train import read_jsonl
-    from drafter_data import main, prompt_of
+    from agentflash.engine.regenerate import prompts_of
+    from drafter_data import main
 
     corpus = str(Path(__file__).parent / "data" / "heldout.jsonl")
     tokenizer = str(embedded_model_dir())
@@ -90,7 +91,5 @@ def test_drafter_data_adds_a_second_set_without_repeating_the_first(tmp_path: Pa
     main([*common, "--out", str(every)])
     main([*common, "--out", str(first), "--limit", "3"])
     main([*common, "--out", str(second), "--seed", "1", "--exclude", str(first)])
-    a, b, n = read_jsonl(first), read_jsonl(second), len(read_jsonl(every))
-    assert len(a) == 3 and len(b) == n - 3 > 0
-    assert {prompt_of(e) for e in a} | {prompt_of(e) for e in b} == {
-        prompt_of(e) for e in read_jsonl(every)}
+    a, b, n = (set(map(tuple, prompts_of(read_jsonl(f)))) for f in (first, second, every))
+    assert len(a) == 3 and len(b) == len(n) - 3 > 0 and a | b == n

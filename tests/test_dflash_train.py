@@ -23,7 +23,7 @@ from agentflash.engine.models.dflash_train import (
 )
 from agentflash.engine.engine import Engine
 from agentflash.engine.sampler import SamplingParams
-from agentflash.engine.regenerate import regenerate
+from agentflash.engine.regenerate import prompts_of, regenerate
 from agentflash.kernels import reference
 from conftest import make_dflash_checkpoint, make_hf_model, save_hf_model
 
@@ -241,7 +241,7 @@ def test_decode_tau_is_the_engines_acceptance_length(tiny: tuple[CausalLM, list[
     train(model, drafter, examples, TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup=0.1))
     scores = evaluate(model, drafter, examples)
     engine = Engine(model, drafter=drafter)
-    prompts = [e.input_ids[: e.loss_mask.index(1)] for e in examples]
+    prompts = prompts_of(examples)
     done = engine.generate(prompts, SamplingParams(max_new_tokens=20))
     assert [p + c.output_ids for p, c in zip(prompts, done)] == [e.input_ids for e in examples]
     lengths = [n for c in done for n in c.counters.acceptance_lengths]

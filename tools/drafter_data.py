@@ -21,11 +21,8 @@ import random
 from transformers import AutoTokenizer
 
 from agentflash.engine.models.dflash_train import Example, read_jsonl, write_jsonl
+from agentflash.engine.regenerate import prompts_of
 from corpus import Tokenized, read_conversations
-
-
-def prompt_of(example: Example) -> tuple[int, ...]:
-    return tuple(example.input_ids[: example.loss_mask.index(1)])
 
 
 def examples(corpus: str, tokenizer_dir: str, per_conversation: int, max_prompt: int,
@@ -63,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="skip the prompts of these example files")
     p.add_argument("--limit", type=int, help="examples at most")
     args = p.parse_args(argv)
-    exclude = frozenset(prompt_of(e) for path in args.exclude for e in read_jsonl(path))
+    exclude = frozenset(tuple(p) for path in args.exclude for p in prompts_of(read_jsonl(path)))
     data = examples(args.corpus, args.tokenizer, args.per_conversation, args.max_prompt,
                     args.per_source, args.seed, exclude, args.limit)
     write_jsonl(args.out, data)
