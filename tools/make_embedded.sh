@@ -52,4 +52,5 @@ cp "$WORK"/target/{config.json,generation_config.json,model.safetensors,tokenize
 cp "$WORK"/drafter/{config.json,model.safetensors} "$OUT"/drafter/
 
 # 6. Evaluate on the held-out test split (acceptance, speed, tool-call validity).
-"$PY" eval_drafter.py --corpus "$WORK"/corpus/test.jsonl --per-bucket 8 --random-baseline 4 --out "$WORK"/eval.json
+"$PY" eval_drafter.py --corpus "$WORK"/corpus/test.jsonl --per-bucket 6 --max-new-tokens 96 \
+  --random-baseline 4 --out "$WORK"/eval.json
