@@ -9,6 +9,7 @@ of a conversation prefills only what is new.
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -418,9 +419,11 @@ class Engine:
     def _time_blocks(
         self, context: int, blocks: list[int], steps: int, speculative: bool
     ) -> tuple[int, list[float], list[float]]:
-        """One synthetic request: a `context`-token prompt, then for each verify length in
-        `blocks` a warm-up step and `steps` timed steps. Returns the context used and the target
-        and drafter seconds per step of each length; leaves the engine idle with an empty cache."""
+        """One synthetic request: a `context`-token prompt, a warm-up step at each verify length
+        in `blocks`, then `steps` rounds of one step at each length (interleaved, so that a
+        shared machine's load drift falls on every length alike). Returns the context used and
+        the median target and drafter seconds per step of each length; leaves the engine idle
+        with an empty cache."""
         assert not self.has_work(), "needs an idle engine"
         budget = (steps + 1) * sum(blocks) + 1
         context = min(context, self.max_model_len - budget)  # a short model: a shorter prompt
@@ -433,20 +436,21 @@ class Engine:
         seq = self._seqs[seq_id]
         c = seq.counters
         self.step()  # prefill
-        target, draft = [], []
-        for k in blocks:
-            seq.block_size = k
-            self.step()  # warm-up at this length
-            t0, d0 = c.decode_compute_s, c.draft_compute_s
-            for _ in range(steps):
+        target: list[list[float]] = [[] for _ in blocks]
+        draft: list[list[float]] = [[] for _ in blocks]
+        for rnd in range(steps + 1):
+            for i, k in enumerate(blocks):
+                seq.block_size = k
+                t0, d0 = c.decode_compute_s, c.draft_compute_s
                 self.step()
-            target.append((c.decode_compute_s - t0) / steps)
-            draft.append((c.draft_compute_s - d0) / steps)
+                if rnd:  # round 0 warms every length up
+                    target[i].append(c.decode_compute_s - t0)
+                    draft[i].append(c.draft_compute_s - d0)
         self.abort(seq_id)
         self.result(seq_id)
         self.clear_cache()
         self.spec = spec
-        return context, target, draft
+        return context, [statistics.median(t) for t in target], [statistics.median(d) for d in draft]
 
 
 def _interpolate(xs: list[int], ys: list[float], at: Iterable[int]) -> list[float]:
