@@ -49,3 +49,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}") from None
+
+
+def training_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """The target's dtype in the drafter tools (training, regeneration): `dtype` if given, else
+    bfloat16 on CUDA and float32 on CPU, whatever its bf16 support, so that the regenerated
+    replies and the target's hidden states are the same on every CPU."""
+    return resolve_dtype(dtype or ("bfloat16" if device.type == "cuda" else "float32"), device)

@@ -450,7 +450,8 @@ class Engine:
         self.result(seq_id)
         self.clear_cache()
         self.spec = spec
-        return context, [statistics.median(t) for t in target], [statistics.median(d) for d in draft]
+        return (context, [statistics.median(t) for t in target],
+                [statistics.median(d) for d in draft])
 
 
 def _interpolate(xs: list[int], ys: list[float], at: Iterable[int]) -> list[float]:

@@ -260,12 +260,17 @@ def test_training_is_seeded(tiny: tuple[CausalLM, list[Example]]) -> None:
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
 
-def test_cli_trains_a_loadable_drafter(tmp_path: Path) -> None:
+def _tool(name: str):
     spec = importlib.util.spec_from_file_location(
-        "train_drafter", Path(__file__).parents[1] / "tools" / "train_drafter.py")
+        name, Path(__file__).parents[1] / "tools" / f"{name}.py")
     assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_trains_a_loadable_drafter(tmp_path: Path) -> None:
+    tool = _tool("train_drafter")
     target_dir = save_hf_model(make_hf_model("qwen3", vocab_size=32, bos_token_id=None,
                                              eos_token_id=None), tmp_path / "target")
     common = ["--target", str(target_dir), "--response-len", "8", "--block-size", "4",
@@ -282,6 +287,10 @@ def test_cli_trains_a_loadable_drafter(tmp_path: Path) -> None:
     tool.main([*common, "--data", str(data), "--regenerate", "--save-data", str(again),
                "--out", str(tmp_path / "d2")])
     assert read_jsonl(again) == examples
+    regen = _tool("regenerate_data")  # the same, as a data set of its own
+    regen.main(["--target", str(target_dir), "--data", str(data), "--response-len", "8",
+                "--out", str(tmp_path / "regen.jsonl")])
+    assert read_jsonl(tmp_path / "regen.jsonl") == examples
     # --init continues a drafter (a zero learning rate keeps it), over several data files
     tool.main([*common, "--data", str(data), str(again), "--init", str(tmp_path / "d"),
                "--lr", "1e-30", "--save-dtype", "float32", "--out", str(tmp_path / "d3")])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from agentflash.engine.device import resolve_device, resolve_dtype
+from agentflash.engine.device import resolve_device, training_dtype
 from agentflash.engine.models.dflash_train import read_jsonl, write_jsonl
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.regenerate import regenerate, prompts_of
@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", help="target dtype (default: float32 on CPU, bfloat16 on CUDA)")
     args = p.parse_args(argv)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
-                          device)
+    dtype = training_dtype(args.dtype, device)
     target = load_model(args.target, dtype=dtype, device=device)
     t0 = time.perf_counter()
     examples = regenerate(target, prompts_of(read_jsonl(args.data)), args.response_len)

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from agentflash.engine.device import resolve_device, resolve_dtype
+from agentflash.engine.device import resolve_device, resolve_dtype, training_dtype
 from agentflash.engine.models.dflash_train import (
     Example, Scores, TrainConfig, TrainLog, evaluate, init_drafter, read_jsonl,
     save_drafter, train, write_jsonl,
@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype or ("bfloat16" if device.type == "cuda" else "float32"),
-                          device)
+    dtype = training_dtype(args.dtype, device)
     target = load_model(args.target, dtype=dtype, device=device)
     t0 = time.perf_counter()
     examples = load_examples(args, target)

@@ -321,10 +321,11 @@ def evaluate(
             out = block_loss(target, drafter, draft_hidden(target, drafter, batch), batch,
                              weights)
         tally.add(out)
-        leading = iter(out.leading.tolist())
+        leading, first = out.leading.tolist(), 0  # blocks: per example, in anchor order
         for example, seq_anchors in zip(chunk, anchors):
-            walked = decode_walk(example.loss_mask, dict(zip(seq_anchors, leading)))
-            tokens, steps = tokens + walked[0], steps + walked[1]
+            last = first + len(seq_anchors)
+            walked = decode_walk(example.loss_mask, dict(zip(seq_anchors, leading[first:last])))
+            tokens, steps, first = tokens + walked[0], steps + walked[1], last
     return tally.scores()._replace(decode_tau=tokens / max(1, steps))
 
 
