@@ -210,11 +210,13 @@ class Runtime:
 
     def plain_step_s(self, context: int) -> float:
         """A plain decode step's seconds at batch 1 with `context` tokens before it: linear
-        through the two measured at load (never below the shorter one's). 0 without a drafter."""
+        through the two measured at load, never decreasing with context (timing noise can make
+        the longer measurement the faster one) and never below the shorter one's. 0 without a
+        drafter."""
         if not self._plain_at:
             return 0.0
         (c0, t0), (c1, t1) = self._plain_at
-        slope = (t1 - t0) / (c1 - c0) if c1 > c0 else 0.0
+        slope = max(0.0, (t1 - t0) / (c1 - c0)) if c1 > c0 else 0.0
         return max(t0, t0 + slope * (context - c0))
 
     # ---- public ---------------------------------------------------------------------------

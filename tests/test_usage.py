@@ -162,3 +162,12 @@ def test_load_measures_step_costs_and_a_plain_step_that_grows_with_context(rt):
     assert 0 < short <= long      # attention over a longer context costs at least as much
     assert rt.plain_step_s(0) == short  # never below the shortest measurement
     assert rt.engine.spec.cost == cost  # speculation="auto" serves with them
+
+
+def test_plain_step_never_decreases_with_context_even_when_the_long_measurement_was_faster(rt):
+    measured = rt._plain_at
+    rt._plain_at = ((256, 0.020), (2048, 0.015))  # noise: the long context timed faster
+    try:
+        assert [rt.plain_step_s(c) for c in (0, 256, 1000, 4000)] == [0.020] * 4
+    finally:
+        rt._plain_at = measured
