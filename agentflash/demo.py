@@ -98,5 +98,6 @@ async def demo(rt: Runtime, max_tokens: int, max_steps: int, compare: bool) -> s
     saved_spec = sum(r.step.usage.cost.saved_by_speculation_usd for r in main_rows)
     if rt.pricing is not None:
         report.append(f"main run savings (counted counterfactuals): cache {1e6 * saved_cache:.1f}"
-                      f" u$, speculation {1e6 * saved_spec:.1f} u$ (negative: it cost more)")
+                      f" u$, speculation {1e6 * saved_spec:.1f} u$"
+                      + (" (negative: it cost more)" if saved_spec < 0 else ""))
     return "\n".join(report)
