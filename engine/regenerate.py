@@ -1,5 +1,10 @@
-"""Target-regenerated drafter training data: prompts followed by the target's own greedy
-responses, generated with the engine (the spec trains drafters on these, not on the dataset's)."""
+"""Target-regenerated drafter training data: prompts followed by the target's own responses,
+generated with the engine (the spec trains drafters on these, not on the dataset's).
+
+Greedy responses are the tokens greedy speculative decoding must guess. Sampled ones
+(temperature > 0, each prompt seeded by `seed` + its index, so a data set is reproducible)
+add the target's other likely continuations: replies that leave the paths it memorised from its
+own training data, as its replies to new prompts do."""
 
 from __future__ import annotations
 
@@ -19,15 +24,20 @@ def prompts_of(examples: Sequence[Example]) -> list[list[int]]:
 
 def regenerate(
     target: CausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-    ignore_eos: bool = False, cache: CacheConfig = CacheConfig(num_pages=4096),
+    ignore_eos: bool = False, temperature: float = 0.0, seed: int = 0,
+    cache: CacheConfig = CacheConfig(num_pages=4096),
     scheduler: SchedulerConfig = SchedulerConfig(max_batch_tokens=2048),
 ) -> list[Example]:
-    """Prompts followed by the target's own greedy responses (the tokens a drafter must guess).
-    All prompts go to one engine, batched; the default pool (64k tokens) keeps the batch wide."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    """Prompts followed by the target's own responses (the tokens a drafter must guess): greedy,
+    or sampled at `temperature` with prompt i seeded by seed + i. All prompts go to one engine,
+    batched; the default pool (64k tokens) keeps the batch wide."""
+    params = [SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                             temperature=temperature, seed=None if temperature == 0 else seed + i)
+              for i in range(len(prompts))]
     # Shortest first: sequences batched together have similar lengths, so little padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    done = Engine(target, cache, scheduler).generate([list(prompts[i]) for i in order], params)
+    done = Engine(target, cache, scheduler).generate([list(prompts[i]) for i in order],
+                                                     [params[i] for i in order])
     outputs = [[] for _ in prompts]
     for i, c in zip(order, done):
         outputs[i] = c.output_ids

@@ -208,6 +208,20 @@ def test_regenerate_marks_the_targets_greedy_response(tiny: tuple[CausalLM, list
     assert logits[5:-1].argmax(-1).tolist() == ids[6:]
 
 
+def test_sampled_regeneration_is_seeded_per_prompt(tiny: tuple[CausalLM, list[Example]]
+                                                  ) -> None:
+    model, greedy = tiny
+    prompts = prompts_of(greedy)
+    runs = [regenerate(model, prompts, 20, temperature=1.0, seed=s) for s in (5, 5, 6)]
+    assert runs[0] == runs[1]                                # reproducible
+    assert runs[0] != runs[2] and runs[0] != greedy          # the seed and the sampling matter
+    assert prompts_of(runs[0]) == prompts
+    assert all(e.loss_mask == [0] * 6 + [1] * 20 for e in runs[0])
+    # prompt i is seeded by seed + i: shifting the prompts by one shifts the seeds with them
+    shifted = regenerate(model, prompts[1:], 20, temperature=1.0, seed=6)
+    assert shifted == runs[0][1:]
+
+
 def test_training_learns_the_targets_outputs(tiny: tuple[CausalLM, list[Example]]) -> None:
     model, examples = tiny
     labels = Counter(t for e in examples for t, r in zip(e.input_ids, e.loss_mask) if r)
@@ -291,6 +305,10 @@ def test_cli_trains_a_loadable_drafter(tmp_path: Path) -> None:
     regen.main(["--target", str(target_dir), "--data", str(data), "--response-len", "8",
                 "--out", str(tmp_path / "regen.jsonl")])
     assert read_jsonl(tmp_path / "regen.jsonl") == examples
+    regen.main(["--target", str(target_dir), "--data", str(data), "--response-len", "8",
+                "--temperature", "1", "--seed", "3", "--out", str(tmp_path / "sampled.jsonl")])
+    sampled = read_jsonl(tmp_path / "sampled.jsonl")
+    assert prompts_of(sampled) == prompts_of(examples) and sampled != examples
     # --init continues a drafter (a zero learning rate keeps it), over several data files
     tool.main([*common, "--data", str(data), str(again), "--init", str(tmp_path / "d"),
                "--lr", "1e-30", "--save-dtype", "float32", "--out", str(tmp_path / "d3")])

@@ -30,7 +30,11 @@ mkdir -p "$WORK"
 #    training; (b) 2000 more train-split prompts (1 per conversation, up to 1536 tokens, none
 #    of (a)'s), regenerated likewise, and 2000 more steps on (a) + (b) from (a)'s drafter;
 #    (c) every other train-split assistant turn with a prompt up to 3584 tokens (none of (a)'s
-#    or (b)'s), regenerated likewise, and more steps on (a) + (b) + (c) from (b)'s drafter.
+#    or (b)'s), regenerated likewise, and more steps on (a) + (b) + (c) from (b)'s drafter;
+#    (d) every validation-split assistant turn that fits (the target never trained on them),
+#    regenerated likewise, and (b)'s prompts with two replies sampled at temperature 0.7; more
+#    steps on (a) to (d), the validation part twice, from (c)'s drafter. The test split is
+#    never used.
 "$PY" drafter_data.py --corpus "$WORK"/corpus/train.jsonl --tokenizer "$WORK"/target \
   --out "$WORK"/drafter_prompts.jsonl --per-source 200
 "$PY" train_drafter.py --target "$WORK"/target --data "$WORK"/drafter_prompts.jsonl \
@@ -55,7 +59,20 @@ mkdir -p "$WORK"
 "$PY" train_drafter.py --target "$WORK"/target --init "$WORK"/drafter-b \
   --data "$WORK"/drafter_train.jsonl "$WORK"/drafter_train2.jsonl "$WORK"/drafter_train3.jsonl \
   --holdout 64 --steps 2700 --batch-size 4 --anchors 32 --lr 5e-4 --warmup 0.02 \
-  --max-minutes 92 --seed 2 --save-dtype bfloat16 --out "$WORK"/drafter
+  --max-minutes 92 --seed 2 --save-dtype bfloat16 --out "$WORK"/drafter-c
+"$PY" drafter_data.py --corpus "$WORK"/corpus/validation.jsonl --tokenizer "$WORK"/target \
+  --out "$WORK"/drafter_prompts4.jsonl --per-conversation 9999 --max-prompt 3584
+"$PY" regenerate_data.py --target "$WORK"/target --data "$WORK"/drafter_prompts4.jsonl \
+  --response-len 128 --out "$WORK"/drafter_train4.jsonl
+for seed in 1 100001; do
+  "$PY" regenerate_data.py --target "$WORK"/target --data "$WORK"/drafter_prompts2.jsonl \
+    --response-len 128 --temperature 0.7 --seed $seed --out "$WORK"/drafter_sampled$seed.jsonl
+done
+"$PY" train_drafter.py --target "$WORK"/target --init "$WORK"/drafter-c \
+  --data "$WORK"/drafter_train.jsonl "$WORK"/drafter_train2.jsonl "$WORK"/drafter_train3.jsonl \
+  "$WORK"/drafter_train4.jsonl "$WORK"/drafter_train4.jsonl "$WORK"/drafter_sampled1.jsonl \
+  "$WORK"/drafter_sampled100001.jsonl --holdout 64 --steps 2100 --batch-size 4 --anchors 32 \
+  --lr 3e-4 --warmup 0.02 --max-minutes 72 --seed 3 --save-dtype bfloat16 --out "$WORK"/drafter
 
 # 5. Ship: the target directory with its drafter in drafter/.
 rm -rf "$OUT" && mkdir -p "$OUT"/drafter
