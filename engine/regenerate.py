@@ -3,8 +3,8 @@ generated with the engine (the spec trains drafters on these, not on the dataset
 
 Greedy responses are the tokens greedy speculative decoding must guess. Sampled ones
 (temperature > 0, each prompt seeded by `seed` + its index, so a data set is reproducible)
-add the target's other likely continuations: replies that leave the paths it memorised from its
-own training data, as its replies to new prompts do."""
+add the target's other likely continuations: more training text from the same prompts, still
+the target's own."""
 
 from __future__ import annotations
 
