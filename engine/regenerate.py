@@ -32,7 +32,7 @@ def regenerate(
     or sampled at `temperature` with prompt i seeded by seed + i. All prompts go to one engine,
     batched; the default pool (64k tokens) keeps the batch wide."""
     params = [SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                             temperature=temperature, seed=None if temperature == 0 else seed + i)
+                             temperature=temperature, seed=seed + i)  # greedy ignores the seed
               for i in range(len(prompts))]
     # Shortest first: sequences batched together have similar lengths, so little padding.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
