@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from agentflash.kernels import dispatch
+from agentflash.kernels.reference import gather_slots
 
 
 def slot_table(page_tables: Sequence[Sequence[int]], page_size: int) -> torch.Tensor:
@@ -206,9 +207,10 @@ class PagedDraftAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, b = self.gather.shape[0], self.block_size
         causal, window = self.kinds[layer]
+        k_ctx = gather_slots(self.k_caches[layer], self.gather)
+        v_ctx = gather_slots(self.v_caches[layer], self.gather)
         out = dispatch.draft_attention(
-            q.view(n, b, *q.shape[1:]), self.k_caches[layer][self.gather],
-            self.v_caches[layer][self.gather], self.ctx_lens, k.view(n, b, *k.shape[1:]),
+            q.view(n, b, *q.shape[1:]), k_ctx, v_ctx, self.ctx_lens, k.view(n, b, *k.shape[1:]),
             v.view(n, b, *v.shape[1:]), self.scale, causal, window,
         )
         return out.reshape(n * b, *q.shape[1:])

@@ -6,6 +6,14 @@ import torch
 import torch.nn.functional as F
 
 
+INVARIANT_MAX_QUERIES = 32
+"""bfloat16 groups with at most this many queries per sequence (decode rows, verify blocks)
+take the chunked path of `paged_attention`; longer ones (prefill chunks) and float32 take SDPA."""
+
+KEY_CHUNK = 256
+"""Keys per chunk of the chunked path; chunk c holds keys c*KEY_CHUNK .. (c+1)*KEY_CHUNK - 1."""
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -25,18 +33,89 @@ def paged_attention(
     out_index [T]         row of the flattened [B*Q] output holding each query (None: identity)
     mask     [B, 1, Q, L] True where query may see key (None: all visible)
     returns  [T, Hq, D]
+
+    In bfloat16, decode rows and verify blocks (Q <= INVARIANT_MAX_QUERIES) go through
+    `_chunked_attention`, whose result for a query does not depend on how many queries or keys
+    share the call, so a verify block's rows are bitwise the plain decode steps' rows. float32
+    keeps SDPA: its GEMMs are row-count dependent anyway (so no bitwise guarantee to win), the
+    differences stay at float32 rounding, and SDPA is faster there.
     """
     n_tokens, n_heads, head_dim = q.shape
     batch, q_len = q_index.shape
     q_pad = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[q_index]  # [B, Q, Hq, D]
-    k = k_cache[gather].transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache[gather].transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
-        enable_gqa=k.shape[1] != n_heads,
-    )  # [B, Hq, Q, D]
-    out = out.transpose(1, 2).reshape(batch * q_len, n_heads, head_dim)
+    if q_len <= INVARIANT_MAX_QUERIES and q.dtype == torch.bfloat16:
+        out = _chunked_attention(q_pad, k_cache, v_cache, gather, mask, scale)
+    else:
+        k = gather_slots(k_cache, gather).transpose(1, 2)  # [B, Hkv, L, D]
+        v = gather_slots(v_cache, gather).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+            enable_gqa=k.shape[1] != n_heads,
+        ).transpose(1, 2)  # [B, Q, Hq, D]
+    out = out.reshape(batch * q_len, n_heads, head_dim)
     return out if out_index is None else out[out_index]
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for slots [B, L]: [B, L, Hkv, D] (index_select: on CPU several times
+    faster than advanced indexing)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+def _chunked_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
+    mask: torch.Tensor | None, scale: float,
+) -> torch.Tensor:
+    """paged_attention for few queries [B, Q, Hq, D], computed so that each query's output is
+    bitwise independent of the other queries in the call and of keys it does not see.
+
+    SDPA's CPU kernels block queries and keys by the call's shape, so the same query gives
+    last-bit different outputs alone (a decode step) and in a block of 16 (a verify); in
+    bfloat16 that flips a rounding now and then and, at a near-tie, a greedy token. Here every
+    step is either elementwise (IEEE-exact whatever the vector width) or a reduction of a fixed
+    shape: keys are split into chunks at fixed absolute positions (KEY_CHUNK); scores and chunk
+    outputs are batched matmuls of one [Q*G, D] x [D, KEY_CHUNK] shape per chunk, whose rows come
+    out the same whatever Q is (measured for bfloat16; float32 GEMMs on CPU depend on the row
+    count, so there outputs agree to float32 rounding only); the softmax subtracts the row's
+    global maximum (exact), sums each chunk over its KEY_CHUNK keys, and chunks add up one by
+    one in order, a chunk the query cannot see adding exact zeros. Returns [B, Q, Hq, D].
+    """
+    batch, q_len, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[1]
+    group = n_heads // n_kv
+    keys = gather.shape[1]
+    chunks = -(-keys // KEY_CHUNK)
+    pad = chunks * KEY_CHUNK - keys
+    visible = (torch.ones(batch, q_len, keys, dtype=torch.bool, device=q.device)
+               if mask is None else mask[:, 0])
+    if pad:
+        gather = F.pad(gather, (0, pad), value=0)
+        visible = F.pad(visible, (0, pad), value=False)
+    visible = visible.view(batch, q_len, chunks, KEY_CHUNK)
+    # Chunks every query sees whole need no mask (adding 0.0 would change no bit).
+    seen = visible.all(-1).all(1).all(0).tolist()
+    first = seen.index(False) if False in seen else chunks
+    k = gather_slots(k_cache, gather).view(batch, chunks, KEY_CHUNK, n_kv, head_dim)
+    v = gather_slots(v_cache, gather).view(batch, chunks, KEY_CHUNK, n_kv, head_dim)
+    qg = q.view(batch, q_len, n_kv, group, head_dim).transpose(1, 2)
+    qg = qg.reshape(batch, n_kv, 1, q_len * group, head_dim)           # [B, Hkv, 1, Q*G, D]
+    s = torch.matmul(qg, k.permute(0, 3, 1, 4, 2)).float()             # [B, Hkv, n, Q*G, C]
+    s = s.view(batch, n_kv, chunks, q_len, group, KEY_CHUNK).mul_(scale)
+    if first < chunks:
+        hidden = ~visible[:, :, first:].transpose(1, 2)[:, None, :, :, None]  # [B,1,n',Q,1,C]
+        s[:, :, first:].masked_fill_(hidden, float("-inf"))
+    top = s.amax(dim=(2, 5), keepdim=True)                             # exact in any order
+    e = s.sub_(top).exp_()   # numel a multiple of KEY_CHUNK: every element takes the vector exp
+    total = e.sum(-1, keepdim=True)                                    # per chunk, fixed length
+    e = e.view(batch, n_kv, chunks, q_len * group, KEY_CHUNK).to(v.dtype)
+    o = torch.matmul(e, v.permute(0, 3, 1, 2, 4)).float()             # [B, Hkv, n, Q*G, D]
+    o = torch.cat([o.view(batch, n_kv, chunks, q_len, group, head_dim), total], -1)
+    # Chunks add up one by one, in order: a reduction kernel's order depends on the shape.
+    acc = o[:, :, 0]
+    for c in range(1, chunks):
+        acc = acc + o[:, :, c]
+    out = acc[..., :head_dim] / acc[..., head_dim:]                   # [B, Hkv, Q, G, D]
+    return out.to(q.dtype).permute(0, 2, 1, 3, 4).reshape(batch, q_len, n_heads, head_dim)
 
 
 def store_kv(
