@@ -116,6 +116,33 @@ class Generation:
             self._runtime._post(lambda: self._runtime._abort(self))
 
 
+def _off_this_thread(fn: Callable[[], T]) -> T:
+    """fn() run on a new thread, which exits before this returns; its exception is re-raised.
+
+    Why: torch's CPU ops run in parallel on libgomp (OpenMP), which gives every thread that runs
+    a parallel op a team of worker threads. While more than one team exists, the workers of all
+    of them stop spin-waiting between ops and sleep instead, and every op pays a wake-up: the
+    embedded model's decode step took 10-12 ms on the engine thread instead of 6.8 (2 cores)
+    once the main thread had run one matmul. A team goes away with its thread, so work done
+    here leaves the engine thread's team the only one. (Torch work the application itself runs
+    on another thread brings the slowdown back while that thread lives.)"""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="agentflash-load")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
 class Runtime:
     """A loaded model + drafter served by one engine thread. Use `Runtime.load(...)`."""
 
@@ -187,7 +214,22 @@ class Runtime:
         speculation="auto": after 4 full blocks, each request verifies as many drafts as commit
         the most tokens per unit of time given its acceptance so far and the step costs measured
         at load, and decodes token by token once speculation does not pay (same output either
-        way); "always": every step verifies a full block."""
+        way); "always": every step verifies a full block.
+
+        Loading and the step-cost measurements run on a thread of their own that then exits
+        (`_off_this_thread`), so the calling thread (usually the event loop's) never runs a
+        parallel torch op."""
+        return _off_this_thread(lambda: cls._load(
+            model, draft, device, dtype, cache, scheduler, block_size, session_ttl, pricing, log,
+            speculation))
+
+    @classmethod
+    def _load(
+        cls, model: str | Path | None, draft: str | Path | bool | None, device: str,
+        dtype: str | torch.dtype | None, cache: CacheConfig | None, scheduler: SchedulerConfig,
+        block_size: int | None, session_ttl: float | None, pricing: Pricing | None,
+        log: str | Path | None, speculation: str,
+    ) -> Runtime:
         model_dir = resolve_model(model)
         dev = resolve_device(device)
         target = load_model(model_dir, dtype=resolve_dtype(dtype, dev), device=dev)

@@ -280,6 +280,34 @@ async def test_runs_under_trio(rt, anyio_backend):
     assert_clean(rt)
 
 
+def test_load_computes_off_the_calling_thread(monkeypatch, tmp_path):
+    """Loading (and the step-cost measurements) must not run torch on the caller's thread: a
+    second libgomp team makes every engine step wait on wake-ups (runtime._off_this_thread).
+    Errors still reach the caller, typed."""
+    import threading
+
+    from agentflash import runtime as runtime_module
+    from agentflash.errors import CheckpointError
+
+    seen = []
+    real = runtime_module.load_model
+
+    def spy(*args, **kwargs):
+        seen.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runtime_module, "load_model", spy)
+    rt = Runtime.load()
+    try:
+        assert len(seen) == 1 and seen[0] is not threading.current_thread()
+        assert not seen[0].is_alive()  # the loading thread is gone, and its workers with it
+        assert rt.step_cost is not None  # measured there too
+    finally:
+        rt.close()
+    with pytest.raises(CheckpointError):
+        Runtime.load(tmp_path)
+
+
 @pytest.mark.anyio
 async def test_closed_runtime_refuses_new_steps():
     runtime = Runtime.load(draft=False)
