@@ -92,7 +92,8 @@ def _chunked_attention(
         gather = F.pad(gather, (0, pad), value=0)
         visible = F.pad(visible, (0, pad), value=False)
     visible = visible.view(batch, q_len, chunks, KEY_CHUNK)
-    # Chunks every query sees whole need no mask (adding 0.0 would change no bit).
+    # Only chunks some query does not see whole are masked (masking leaves seen scores as they
+    # are, so which chunks get masked changes no bit of a query's result).
     seen = visible.all(-1).all(1).all(0).tolist()
     first = seen.index(False) if False in seen else chunks
     k = gather_slots(k_cache, gather).view(batch, chunks, KEY_CHUNK, n_kv, head_dim)
