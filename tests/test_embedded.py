@@ -139,13 +139,17 @@ def bf16_gemm_rows_are_independent() -> bool:
                     reason="this CPU's bf16 GEMMs depend on the row count: equal to rounding only")
 def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer):
     """bfloat16 is the CPU default where bf16 is native; its decode/verify attention is
-    row-invariant (kernels.reference._chunked_attention), so outputs match to the bit."""
+    row-invariant (kernels.reference._chunked_attention), so outputs match to the bit: with
+    full blocks, shorter ones, and "auto", which mixes verify lengths and plain steps."""
     target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
     prompts = [prompt_ids(tokenizer, c) for c in conversations()]
-    plain = run(Engine(target), prompts, 96)
-    spec = run(Engine(target, drafter=drafter, spec=SpecConfig(16)), prompts, 96)
-    assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+    plain = [c.output_ids for c in run(Engine(target), prompts, 96)]
+    auto = Engine(target, drafter=drafter, spec=SpecConfig(16))
+    auto.spec = SpecConfig(16, cost=auto.measure_step_cost())
+    for engine in (Engine(target, drafter=drafter, spec=SpecConfig(16)),
+                   Engine(target, drafter=drafter, spec=SpecConfig(5)), auto):
+        assert [c.output_ids for c in run(engine, prompts, 96)] == plain
 
 
 def test_turn_two_reuses_the_cached_conversation(tokenizer, target, drafter):
