@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from agentflash.kernels import dispatch
-from agentflash.kernels.reference import gather_slots
+from agentflash.kernels.reference import INVARIANT_MAX_QUERIES, gather_slots
 
 
 def slot_table(page_tables: Sequence[Sequence[int]], page_size: int) -> torch.Tensor:
@@ -74,8 +74,10 @@ class PagedGroup:
 
 def _query_class(n: int) -> int:
     """Decode steps (1 query), verify blocks (a few) and prefill chunks are padded separately:
-    one prefill chunk in a batch of decodes must not pad every decode to the chunk's length."""
-    return 0 if n == 1 else 1 if n <= 32 else 2
+    one prefill chunk in a batch of decodes must not pad every decode to the chunk's length.
+    The verify class ends where the CPU kernel's row-invariant path does, so decode rows and
+    verify blocks always take that path together (kernels.reference.paged_attention)."""
+    return 0 if n == 1 else 1 if n <= INVARIANT_MAX_QUERIES else 2
 
 
 @dataclass
