@@ -93,3 +93,26 @@ def test_drafter_data_adds_a_second_set_without_repeating_the_first(tmp_path: Pa
     main([*common, "--out", str(second), "--seed", "1", "--exclude", str(first)])
     a, b, n = (set(map(tuple, prompts_of(read_jsonl(f)))) for f in (first, second, every))
     assert len(a) == 3 and len(b) == len(n) - 3 > 0 and a | b == n
+
+
+def test_package_functions_drop_private_undocumented_and_stdlib_copies(tmp_path: Path):
+    from build_corpus import code_conversations, package_functions
+
+    vendored = 'def copied(x):\n    """A copy of a stdlib function\'s body."""\n    return x\n'
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text(vendored)
+    (tmp_path / "pkg" / "sub" / "mod.py").write_text(
+        'def kept(a, b=2):\n    """Add two numbers, the second one defaulting to two."""\n'
+        '    return a + b\n\n'
+        'def _private(a):\n    """Private helpers are not turns of their own."""\n    return a\n\n'
+        'def bare(a):\n    b = a\n    return b\n')
+    (tmp_path / "other.py").write_text('def outside(a):\n    """Not in a named package."""\n'
+                                       '    return a\n')
+    found = list(package_functions(tmp_path, ["pkg"], 40, exclude={vendored.rstrip()}))
+    assert [(name, signature) for name, signature, _, _ in found] == [
+        ("pkg.sub.mod.kept", "kept(a, b=2)")]
+    turns = [conv for _, conv in code_conversations(iter(found), "package")]
+    assert [c["source"] for c in turns] == ["package_code", "package_doc"]
+    assert turns[0]["messages"][-1]["content"].startswith("```python\ndef kept(a, b=2):")
+    assert turns[1]["messages"][-1]["content"] == ("Add two numbers, the second one defaulting "
+                                                   "to two.")

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 SINGLE_TURN = ("simple_python", "simple_java", "simple_javascript", "multiple", "parallel",
                "parallel_multiple", "irrelevance")
 MULTI_TURN = ("multi_turn_base", "multi_turn_long_context")
+MULTI_TURN_EXTRA = ("multi_turn_miss_param",)  # drafter data only: the target never saw them
 BACKEND = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 BACKENDS = {  # class name -> (module, function doc file)
     "GorillaFileSystem": ("gorilla_file_system", "gorilla_file_system.json"),

@@ -13,6 +13,12 @@ Sources (all available without a model hub):
   summary asks, the source answers) and explanation turns (the qualified name asks, the docstring
   answers).
 
+--drafter-extra PACKAGE... builds the drafter's extra corpus instead, prompts the target never
+trained on (tools/make_embedded.sh, drafter stage 5): BFCL multi_turn_miss_param (the base tasks
+with a turn that lacks a parameter; that turn is declined) and the documented functions of those
+installed packages, as stdlib_code/stdlib_doc turns ("package_code", "package_doc"), less any whose
+source or docstring is also in the standard library.
+
 Splits are fixed by task id (a multi-turn task's base and long-context versions share one id) via a
 hash: 90% train, 5% validation, 5% test. The test split is never used for training.
 Writes {train,validation,test}.jsonl, one conversation per line:
@@ -33,8 +39,8 @@ import textwrap
 from pathlib import Path
 from typing import Iterator
 
-from bfcl import (MULTI_TURN, SINGLE_TURN, Bfcl, MultiTurnRun, MultiTurnTask, multi_turn,
-                  single_turn, tool_schema)
+from bfcl import (MULTI_TURN, MULTI_TURN_EXTRA, SINGLE_TURN, Bfcl, MultiTurnRun, MultiTurnTask,
+                  multi_turn, single_turn, tool_schema)
 
 SPLITS = ("train", "validation", "test")
 SYSTEM = "You are a helpful assistant."
@@ -111,17 +117,17 @@ def multi_turn_conversation(bfcl: Bfcl, task: MultiTurnTask, max_tools: int,
     return conversation(task.id, task.category, messages, tools)
 
 
-def multi_turn_conversations(bfcl: Bfcl, max_tools: int, seed: int):
-    for category in MULTI_TURN:
+def multi_turn_conversations(bfcl: Bfcl, categories: tuple[str, ...], max_tools: int, seed: int):
+    for category in categories:
         for task in multi_turn(bfcl, category):
             rng = random.Random(f"{seed}:{task.id}")
             yield f"multi_turn_{task.number}", multi_turn_conversation(bfcl, task, max_tools, rng)
 
 
-def stdlib_functions(max_lines: int) -> Iterator[tuple[str, str, str, str]]:
-    """(qualified name, signature, docstring, source) of documented stdlib functions."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
+def python_functions(root: Path, under: str, max_lines: int) -> Iterator[tuple[str, str, str, str]]:
+    """(qualified name, signature, docstring, source) of the documented public functions of 3 to
+    max_lines lines in the .py files under root/under (modules named from root)."""
+    for path in sorted((root / under).rglob("*.py")):
         if SKIP_DIRS & set(path.relative_to(root).parts):
             continue
         try:
@@ -143,9 +149,26 @@ def stdlib_functions(max_lines: int) -> Iterator[tuple[str, str, str, str]]:
             yield f"{module}.{node.name}", signature, inspect.cleandoc(doc), textwrap.dedent(body)
 
 
-def stdlib_conversations(max_lines: int) -> Iterator[tuple[str, dict]]:
+def stdlib_functions(max_lines: int) -> Iterator[tuple[str, str, str, str]]:
+    return python_functions(Path(sysconfig.get_paths()["stdlib"]), "", max_lines)
+
+
+def package_functions(root: Path, packages: list[str], max_lines: int,
+                      exclude: set[str]) -> Iterator[tuple[str, str, str, str]]:
+    """The functions of the packages under root, less any whose source or docstring is in
+    exclude (the standard library's: vendored copies must not bring a stdlib test function in)."""
+    for package in packages:
+        for function in python_functions(root, package, max_lines):
+            if function[2] not in exclude and function[3] not in exclude:
+                yield function
+
+
+def code_conversations(functions: Iterator[tuple[str, str, str, str]],
+                       origin: str) -> Iterator[tuple[str, dict]]:
+    """A code-writing turn (the docstring's summary asks, the source answers) and an explanation
+    turn (the name asks, the docstring answers) per function; sources {origin}_code/_doc."""
     seen = set()
-    for name, signature, doc, body in stdlib_functions(max_lines):
+    for name, signature, doc, body in functions:
         if name in seen:
             continue
         seen.add(name)
@@ -154,9 +177,9 @@ def stdlib_conversations(max_lines: int) -> Iterator[tuple[str, dict]]:
                 {"role": "assistant", "content": f"```python\n{body}\n```"}]
         prose = [{"role": "user", "content": f"What does `{name}` do?"},
                  {"role": "assistant", "content": doc[:1500]}]
-        yield name, conversation(f"code:{name}", "stdlib_code", [{"role": "system",
+        yield name, conversation(f"code:{name}", f"{origin}_code", [{"role": "system",
                                  "content": SYSTEM}] + code)
-        yield name, conversation(f"doc:{name}", "stdlib_doc", [{"role": "system",
+        yield name, conversation(f"doc:{name}", f"{origin}_doc", [{"role": "system",
                                  "content": SYSTEM}] + prose)
 
 
@@ -165,16 +188,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bfcl", required=True, help="bfcl-eval wheel or unpacked wheel directory")
     p.add_argument("--out", required=True)
     p.add_argument("--max-tools", type=int, default=8, help="tools per multi-turn task at most")
-    p.add_argument("--max-lines", type=int, default=40, help="longest stdlib function, in lines")
+    p.add_argument("--max-lines", type=int, default=40, help="longest function, in lines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drafter-extra", nargs="+", metavar="PACKAGE",
+                   help="build the drafter's extra corpus instead: BFCL multi_turn_miss_param "
+                        "and these installed packages' functions")
+    p.add_argument("--package-root", help="where --drafter-extra's packages are (default: this "
+                   "interpreter's site-packages)")
     args = p.parse_args(argv)
     bfcl = Bfcl(args.bfcl)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = {s: (out / f"{s}.jsonl").open("w") for s in SPLITS}
     counts: dict[str, dict[str, int]] = {}
-    sources = [single_turn_conversations(bfcl), multi_turn_conversations(bfcl, args.max_tools,
-               args.seed), stdlib_conversations(args.max_lines)]
+    if args.drafter_extra:
+        stdlib = {text for f in stdlib_functions(args.max_lines) for text in f[2:]}
+        root = Path(args.package_root or sysconfig.get_paths()["purelib"])
+        packages = package_functions(root, args.drafter_extra, args.max_lines, stdlib)
+        sources = [multi_turn_conversations(bfcl, MULTI_TURN_EXTRA, args.max_tools, args.seed),
+                   code_conversations(packages, "package")]
+    else:
+        sources = [single_turn_conversations(bfcl),
+                   multi_turn_conversations(bfcl, MULTI_TURN, args.max_tools, args.seed),
+                   code_conversations(stdlib_functions(args.max_lines), "stdlib")]
     for source in sources:
         for key, conv in source:
             split = split_of(key)

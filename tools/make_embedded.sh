@@ -33,8 +33,10 @@ mkdir -p "$WORK"
 #    or (b)'s), regenerated likewise, and more steps on (a) + (b) + (c) from (b)'s drafter;
 #    (d) every validation-split assistant turn that fits (the target never trained on them),
 #    regenerated likewise, and (b)'s prompts with two replies sampled at temperature 0.7; more
-#    steps on (a) to (d), the validation part twice, from (c)'s drafter. The test split is
-#    never used.
+#    steps on (a) to (d), the validation part twice, from (c)'s drafter; (e) prompts the
+#    target never trained on (BFCL multi_turn_miss_param's train split and the functions of 13
+#    pinned PyPI packages), regenerated greedily, and more steps on (a) to (e), the new and the
+#    validation parts twice, from (d)'s drafter. The test split is never used.
 "$PY" drafter_data.py --corpus "$WORK"/corpus/train.jsonl --tokenizer "$WORK"/target \
   --out "$WORK"/drafter_prompts.jsonl --per-source 200
 "$PY" train_drafter.py --target "$WORK"/target --data "$WORK"/drafter_prompts.jsonl \
@@ -72,7 +74,33 @@ done
   --data "$WORK"/drafter_train.jsonl "$WORK"/drafter_train2.jsonl "$WORK"/drafter_train3.jsonl \
   "$WORK"/drafter_train4.jsonl "$WORK"/drafter_train4.jsonl "$WORK"/drafter_sampled1.jsonl \
   "$WORK"/drafter_sampled100001.jsonl --holdout 64 --steps 2100 --batch-size 4 --anchors 32 \
-  --lr 3e-4 --warmup 0.02 --max-minutes 72 --seed 3 --save-dtype bfloat16 --out "$WORK"/drafter
+  --lr 3e-4 --warmup 0.02 --max-minutes 72 --seed 3 --save-dtype bfloat16 --out "$WORK"/drafter-d
+
+"$PY" -m pip install -q --no-deps --target "$WORK"/packages networkx==3.6.1 sympy==1.14.0 \
+  numpy==2.4.6 hypothesis==6.170.17 jinja2==3.1.6 click==8.5.1 jsonschema==4.26.0 packaging==26.4 \
+  mpmath==1.3.0 fsspec==2026.9.0 anyio==4.16.0 pydantic==2.14.4 attrs==26.1.0
+"$PY" build_corpus.py --bfcl "$WORK"/bfcl_eval-2026.3.23-py3-none-any.whl --out "$WORK"/extra \
+  --drafter-extra networkx sympy numpy hypothesis jinja2 click jsonschema packaging mpmath fsspec \
+  anyio pydantic attr --package-root "$WORK"/packages
+"$PY" drafter_data.py --corpus "$WORK"/extra/train.jsonl --tokenizer "$WORK"/target \
+  --out "$WORK"/extra_prompts.jsonl --per-conversation 4 --max-prompt 3584 --per-source 1500 \
+  --seed 6
+"$PY" drafter_data.py --corpus "$WORK"/extra/validation.jsonl --tokenizer "$WORK"/target \
+  --out "$WORK"/extra_holdout_prompts.jsonl --per-conversation 1 --max-prompt 3584 --seed 7 \
+  --limit 64
+head -2000 "$WORK"/drafter_prompts3.jsonl > "$WORK"/drafter_prompts3s.jsonl
+tail -n +65 "$WORK"/drafter_train.jsonl > "$WORK"/drafter_train_a.jsonl
+for set in extra_prompts:extra_train extra_holdout_prompts:extra_holdout \
+    drafter_prompts3s:drafter_train3s; do
+  "$PY" regenerate_data.py --target "$WORK"/target --data "$WORK"/${set%%:*}.jsonl \
+    --response-len 128 --out "$WORK"/${set##*:}.jsonl
+done
+"$PY" train_drafter.py --target "$WORK"/target --init "$WORK"/drafter-d \
+  --data "$WORK"/extra_holdout.jsonl "$WORK"/drafter_train_a.jsonl "$WORK"/drafter_train2.jsonl \
+  "$WORK"/drafter_train3s.jsonl "$WORK"/drafter_train4.jsonl "$WORK"/drafter_train4.jsonl \
+  "$WORK"/extra_train.jsonl "$WORK"/extra_train.jsonl --holdout 64 --steps 3000 --batch-size 4 \
+  --anchors 32 --lr 3e-4 --warmup 0.02 --max-minutes 55 --seed 5 --save-dtype bfloat16 \
+  --out "$WORK"/drafter
 
 # 5. Ship: the target directory with its drafter in drafter/.
 rm -rf "$OUT" && mkdir -p "$OUT"/drafter
