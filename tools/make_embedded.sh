@@ -90,10 +90,10 @@ done
   --limit 64
 head -2000 "$WORK"/drafter_prompts3.jsonl > "$WORK"/drafter_prompts3s.jsonl
 tail -n +65 "$WORK"/drafter_train.jsonl > "$WORK"/drafter_train_a.jsonl
-for set in extra_prompts:extra_train extra_holdout_prompts:extra_holdout \
-    drafter_prompts3s:drafter_train3s; do
-  "$PY" regenerate_data.py --target "$WORK"/target --data "$WORK"/${set%%:*}.jsonl \
-    --response-len 128 --out "$WORK"/${set##*:}.jsonl
+for pair in extra_prompts:extra_train extra_holdout_prompts:extra_holdout \
+    drafter_prompts3s:drafter_train3s; do  # prompts:replies
+  "$PY" regenerate_data.py --target "$WORK"/target --data "$WORK"/${pair%%:*}.jsonl \
+    --response-len 128 --out "$WORK"/${pair##*:}.jsonl
 done
 "$PY" train_drafter.py --target "$WORK"/target --init "$WORK"/drafter-d \
   --data "$WORK"/extra_holdout.jsonl "$WORK"/drafter_train_a.jsonl "$WORK"/drafter_train2.jsonl \
