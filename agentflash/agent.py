@@ -314,7 +314,10 @@ class Agent:
             # the reply is part of the conversation from here on
             committed = True
             self._swap_pin(done.pin)
-            reply_ids = output if output and output[-1] in rt.eos_ids else output + [chat.eos_token_id]
+            # the reply ends with the end-of-turn token in the session, whether it stopped there,
+            # at another eos (<|endoftext|>) or at the token budget
+            ended = bool(output) and output[-1] in rt.eos_ids
+            reply_ids = (output[:-1] if ended else output) + [chat.eos_token_id]
             self._session = prompt + reply_ids
             parser.feed(detok.flush())
             tail = parser.finish()

@@ -104,7 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
     detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     engine = Engine(model, CacheConfig(args.page_size, pages), detokenize=detok, drafter=drafter,
                     spec=SpecConfig(args.block_size))
-    # The engine stops at config.json's eos ids; a chat reply also ends at the tokenizer's eos
+    # The engine stops at the model's eos ids (generation_config.json's, else config.json's); a
+    # chat reply also ends at the tokenizer's eos
     # (the end-of-turn token, where config.json names another one).
     end_of_turn: tuple[int, ...] = ()
     if args.chat and tokenizer.eos_token_id is not None:

@@ -7,7 +7,7 @@ both the classic `rope_theta` + `rope_scaling` fields and the newer `rope_parame
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +117,6 @@ class ModelConfig:
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
                 family=family,
                 vocab_size=int(cfg["vocab_size"]),
@@ -135,7 +133,7 @@ class ModelConfig:
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-                eos_token_ids=eos_ids,
+                eos_token_ids=_token_ids(cfg.get("eos_token_id")),
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from None
@@ -144,7 +142,29 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        return cls.from_hf(read_config_json(path))
+        """The model of `path`/config.json. Generation ends at generation_config.json's
+        eos_token_id where that file names one, else at config.json's, as in transformers'
+        `generate` (Qwen3 chat models name <|im_end|> in config.json and add <|endoftext|> in
+        generation_config.json)."""
+        config = cls.from_hf(read_config_json(path))
+        gen_path = Path(path) / "generation_config.json"
+        if not gen_path.is_file():
+            return config
+        gen = _read_json_object(gen_path)
+        if gen.get("eos_token_id") is None:
+            return config
+        try:
+            eos = _token_ids(gen["eos_token_id"])
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{gen_path} has an invalid eos_token_id: {e}") from None
+        return replace(config, eos_token_ids=eos)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """A config's token id field (an int, a list of ints or null) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(int(t) for t in value) if isinstance(value, list) else (int(value),)
 
 
 def _refuse_unimplemented(cfg: dict[str, Any]) -> None:
@@ -166,13 +186,17 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{path} is not a model directory: no config.json")
+    return _read_json_object(cfg_path)
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
     try:
-        cfg = json.loads(cfg_path.read_text())
+        obj = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {cfg_path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{cfg_path} does not hold a JSON object")
-    return cfg
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return obj
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,39 @@ async def test_turn_n_prefills_only_its_new_tokens(rt):
 
 
 @pytest.mark.anyio
+async def test_a_reply_ended_by_another_eos_closes_its_turn(rt, tmp_path):
+    """A reply that stops at an eos other than the end-of-turn token (generation_config.json's
+    <|endoftext|>, here a token the reply is known to hold) ends its turn in the session with the
+    end-of-turn token, as the chat template renders it, and the next turn reuses its KV."""
+    import json
+    import shutil
+
+    from agentflash.embedded import embedded_model_dir
+
+    async with Agent(rt, "You are a helpful assistant.", max_tokens=24) as agent:
+        step = await agent.step("Say hello.")
+        reply = agent._session[step.usage.prompt_tokens:]
+    cut = next(k for k, t in enumerate(reply) if k >= 2 and t not in reply[:k])
+    model_dir = tmp_path / "model"
+    shutil.copytree(embedded_model_dir(), model_dir)
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    gen["eos_token_id"] = [*gen["eos_token_id"], reply[cut]]
+    (model_dir / "generation_config.json").write_text(json.dumps(gen))
+    runtime = Runtime.load(model_dir)
+    try:
+        async with Agent(runtime, "You are a helpful assistant.", max_tokens=24) as agent:
+            first = await agent.step("Say hello.")
+            assert first.usage.completion_tokens == cut + 1
+            assert agent._session[-cut - 1:] == reply[:cut] + [runtime.chat.eos_token_id]
+            second = await agent.step("Thanks.")
+            assert second.usage.prompt_tokens_details.cached_tokens == \
+                first.usage.prompt_tokens + cut
+        assert_clean(runtime)
+    finally:
+        runtime.close()
+
+
+@pytest.mark.anyio
 async def test_constrained_calls_validate_and_speculation_changes_nothing(rt):
     """A sample of BFCL function schemas (tools/eval_constrained.py runs all of them)."""
     cases = [json.loads(line) for line in SAMPLE.read_text().splitlines()]

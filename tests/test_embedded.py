@@ -59,7 +59,9 @@ def test_checkpoint_layout_and_special_tokens(tokenizer, target, drafter):
     assert target.config.vocab_size == len(tokenizer)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.eos_token_id == im_end
-    assert im_end in target.config.eos_token_ids
+    # generation ends at the end of the turn and at the end of a document
+    end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert set(target.config.eos_token_ids) == {im_end, end_of_text}
     assert drafter.config.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>")
     assert drafter.config.block_size == 16
     for tag in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):

@@ -4,10 +4,12 @@ seeded and restricted as asked, and every bad input gets a typed error leaving t
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
+import transformers
 
 from agentflash.engine.config import CacheConfig, SchedulerConfig
 from agentflash.engine.engine import Engine
@@ -148,6 +150,25 @@ def test_stop_conditions(pair):
     text = "".join(chr(65 + t % 26) for t in got[0].output_ids)
     assert text.endswith(stop_str) and text.count(stop_str) == 1
     assert got[0].finish_reason == "stop"
+
+
+def test_generation_config_eos_ends_generation_like_transformers(hf_checkpoint):
+    """generation_config.json's eos_token_id, not config.json's, is where transformers' generate
+    stops (Qwen3 chat models add <|endoftext|> there); the engine stops at the same tokens."""
+    path, hf = hf_checkpoint("qwen3", bos_token_id=None, eos_token_id=None)
+    prompt = random_prompts(1, seed=3)[0]
+    ref = hf_greedy(hf, prompt, 12)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"] = next(t for t in range(128) if t not in ref)  # never generated
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ref[5], ref[8]]}))
+    expected = transformers.AutoModelForCausalLM.from_pretrained(path).generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    first = min(ref.index(ref[5]), ref.index(ref[8]))
+    assert expected == ref[: first + 1]
+    engine = Engine(load_model(path), cache=CacheConfig(page_size=4, num_pages=64))
+    got = engine.generate([prompt], SamplingParams(max_new_tokens=12))[0]
+    assert got.output_ids == expected and got.finish_reason == "stop"
 
 
 def test_context_limit(pair):

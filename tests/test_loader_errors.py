@@ -63,6 +63,17 @@ def test_config_lacking_a_field(ckpt: Path) -> None:
         load_model(ckpt)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "cannot read"),
+    ("[2, 0]", "does not hold a JSON object"),
+    ('{"eos_token_id": ["end"]}', "invalid eos_token_id"),
+])
+def test_bad_generation_config(ckpt: Path, text: str, message: str) -> None:
+    (ckpt / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(ckpt)
+
+
 def test_no_weight_files(ckpt: Path) -> None:
     (ckpt / WEIGHTS).unlink()
     with pytest.raises(CheckpointError, match="no weights.*model.safetensors"):

@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.to(getattr(torch, args.save_dtype)).save_pretrained(out)
-    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    # generation ends at the end of the turn or of the document (<|endoftext|> separates the
+    # training stream's conversations), as Qwen3 chat models' generation_config.json has it
+    GenerationConfig(eos_token_id=[tok.eos_token_id, eot], pad_token_id=tok.pad_token_id,
                      do_sample=False).save_pretrained(out)
     for f in TOKENIZER_FILES:
         shutil.copy(Path(args.tokenizer) / f, out / f)
