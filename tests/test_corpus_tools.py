@@ -93,6 +93,11 @@ def test_drafter_data_adds_a_second_set_without_repeating_the_first(tmp_path: Pa
     main([*common, "--out", str(second), "--seed", "1", "--exclude", str(first)])
     a, b, n = (set(map(tuple, prompts_of(read_jsonl(f)))) for f in (first, second, every))
     assert len(a) == 3 and len(b) == len(n) - 3 > 0 and a | b == n
+    # a long-prompt set: only the prompts of --min-prompt tokens or more
+    cut = sorted(map(len, n))[len(n) // 2]
+    long = tmp_path / "long.jsonl"
+    main([*common, "--out", str(long), "--min-prompt", str(cut)])
+    assert set(map(tuple, prompts_of(read_jsonl(long)))) == {p for p in n if len(p) >= cut}
 
 
 def test_package_functions_drop_private_undocumented_and_stdlib_copies(tmp_path: Path):

@@ -8,7 +8,7 @@ assistant turn (loss_mask 0) followed by the corpus's reply (loss_mask 1). Feed 
 the reply by the target's own greedy one (the spec trains drafters on target-regenerated
 responses). At most --per-conversation turns are taken from each conversation, chosen with the
 seed, and prompts longer than --max-prompt tokens are dropped, so that prompt+reply fits the
-model's context. --per-source balances the sources (BFCL categories, stdlib code and prose).
+model's context (--min-prompt drops the short ones, for a long-context set). --per-source balances the sources (BFCL categories, stdlib code and prose).
 --exclude skips the prompts of earlier files (a second set that adds to a first), --limit
 stops after that many examples.
 """
@@ -27,7 +27,7 @@ from corpus import Tokenized, read_conversations
 
 def examples(corpus: str, tokenizer_dir: str, per_conversation: int, max_prompt: int,
              per_source: int | None, seed: int, exclude: frozenset[tuple[int, ...]] = frozenset(),
-             limit: int | None = None) -> list[Example]:
+             limit: int | None = None, min_prompt: int = 0) -> list[Example]:
     enc = Tokenized(AutoTokenizer.from_pretrained(tokenizer_dir))
     rng = random.Random(seed)
     conversations = read_conversations(corpus)
@@ -38,7 +38,7 @@ def examples(corpus: str, tokenizer_dir: str, per_conversation: int, max_prompt:
         if per_source is not None and taken.get(conv["source"], 0) >= per_source:
             continue
         prompts = [p for p in enc.prompts(conv)
-                   if len(p.ids) <= max_prompt and tuple(p.ids) not in exclude]
+                   if min_prompt <= len(p.ids) <= max_prompt and tuple(p.ids) not in exclude]
         for p in rng.sample(prompts, min(per_conversation, len(prompts))):
             if limit is not None and len(out) >= limit:
                 return out
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--per-conversation", type=int, default=2)
     p.add_argument("--max-prompt", type=int, default=3584)
+    p.add_argument("--min-prompt", type=int, default=0)
     p.add_argument("--per-source", type=int, help="examples per corpus source at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--exclude", nargs="+", default=[], metavar="JSONL",
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     exclude = frozenset(tuple(p) for path in args.exclude for p in prompts_of(read_jsonl(path)))
     data = examples(args.corpus, args.tokenizer, args.per_conversation, args.max_prompt,
-                    args.per_source, args.seed, exclude, args.limit)
+                    args.per_source, args.seed, exclude, args.limit, args.min_prompt)
     write_jsonl(args.out, data)
     lens = sorted(len(e.input_ids) for e in data)
     print(f"{len(data)} examples; tokens median {lens[len(lens) // 2]}, max {lens[-1]}, "

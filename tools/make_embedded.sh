@@ -36,7 +36,11 @@ mkdir -p "$WORK"
 #    steps on (a) to (d), the validation part twice, from (c)'s drafter; (e) prompts the
 #    target never trained on (BFCL multi_turn_miss_param's train split and the functions of 13
 #    pinned PyPI packages), regenerated greedily, and more steps on (a) to (e), the new and the
-#    validation parts twice, from (d)'s drafter. The test split is never used.
+#    validation parts twice, from (d)'s drafter; (f) long prompts (1024 to 3953 tokens): the
+#    train split's turns that stage 5 left out (most are (c)'s, some too long before), and the
+#    same tasks rendered with other distractor tools (--seed 1), regenerated greedily, and
+#    more steps on them + (e) + (a) + (d)'s greedy part from (e)'s drafter. The test split is
+#    never used.
 "$PY" drafter_data.py --corpus "$WORK"/corpus/train.jsonl --tokenizer "$WORK"/target \
   --out "$WORK"/drafter_prompts.jsonl --per-source 200
 "$PY" train_drafter.py --target "$WORK"/target --data "$WORK"/drafter_prompts.jsonl \
@@ -100,7 +104,26 @@ done
   "$WORK"/drafter_train3s.jsonl "$WORK"/drafter_train4.jsonl "$WORK"/drafter_train4.jsonl \
   "$WORK"/extra_train.jsonl "$WORK"/extra_train.jsonl --holdout 64 --steps 3000 --batch-size 4 \
   --anchors 32 --lr 3e-4 --warmup 0.02 --max-minutes 55 --seed 5 --save-dtype bfloat16 \
-  --out "$WORK"/drafter
+  --out "$WORK"/drafter-e
+"$PY" build_corpus.py --bfcl "$WORK"/bfcl_eval-2026.3.23-py3-none-any.whl --out "$WORK"/corpus_s1 \
+  --seed 1
+"$PY" drafter_data.py --corpus "$WORK"/corpus/train.jsonl --tokenizer "$WORK"/target \
+  --out "$WORK"/long_prompts1.jsonl --per-conversation 1000 --min-prompt 1024 --max-prompt 3953 \
+  --seed 9 --exclude "$WORK"/drafter_train.jsonl "$WORK"/drafter_train2.jsonl \
+  "$WORK"/drafter_train3s.jsonl "$WORK"/drafter_train4.jsonl
+"$PY" drafter_data.py --corpus "$WORK"/corpus_s1/train.jsonl --tokenizer "$WORK"/target \
+  --out "$WORK"/long_prompts2.jsonl --per-conversation 1000 --min-prompt 1024 --max-prompt 3953 \
+  --seed 10 --exclude "$WORK"/drafter_train.jsonl "$WORK"/drafter_train2.jsonl \
+  "$WORK"/drafter_train3s.jsonl "$WORK"/drafter_train4.jsonl "$WORK"/long_prompts1.jsonl
+for n in 1 2; do
+  "$PY" regenerate_data.py --target "$WORK"/target --data "$WORK"/long_prompts$n.jsonl \
+    --response-len 128 --out "$WORK"/long_train$n.jsonl
+done
+"$PY" train_drafter.py --target "$WORK"/target --init "$WORK"/drafter-e \
+  --data "$WORK"/extra_holdout.jsonl "$WORK"/long_train1.jsonl "$WORK"/long_train2.jsonl \
+  "$WORK"/extra_train.jsonl "$WORK"/drafter_train_a.jsonl "$WORK"/drafter_train4.jsonl \
+  --holdout 64 --steps 1200 --batch-size 4 --anchors 64 --lr 2e-4 --warmup 0.02 \
+  --max-minutes 58 --seed 7 --save-dtype bfloat16 --out "$WORK"/drafter
 
 # 5. Ship: the target directory with its drafter in drafter/.
 rm -rf "$OUT" && mkdir -p "$OUT"/drafter
