@@ -105,8 +105,8 @@ def _generate(args: argparse.Namespace) -> int:
     engine = Engine(model, CacheConfig(args.page_size, pages), detokenize=detok, drafter=drafter,
                     spec=SpecConfig(args.block_size))
     # The engine stops at the model's eos ids (generation_config.json's, else config.json's); a
-    # chat reply also ends at the tokenizer's eos
-    # (the end-of-turn token, where config.json names another one).
+    # chat reply also ends at the tokenizer's eos (the end-of-turn token, where those name
+    # another one).
     end_of_turn: tuple[int, ...] = ()
     if args.chat and tokenizer.eos_token_id is not None:
         end_of_turn = (tokenizer.eos_token_id,)

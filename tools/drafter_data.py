@@ -8,7 +8,8 @@ assistant turn (loss_mask 0) followed by the corpus's reply (loss_mask 1). Feed 
 the reply by the target's own greedy one (the spec trains drafters on target-regenerated
 responses). At most --per-conversation turns are taken from each conversation, chosen with the
 seed, and prompts longer than --max-prompt tokens are dropped, so that prompt+reply fits the
-model's context (--min-prompt drops the short ones, for a long-context set). --per-source balances the sources (BFCL categories, stdlib code and prose).
+model's context (--min-prompt drops the short ones, for a long-context set). --per-source
+balances the sources (BFCL categories, stdlib code and prose).
 --exclude skips the prompts of earlier files (a second set that adds to a first), --limit
 stops after that many examples.
 """
