@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import anyio
-import sniffio
+import anyio.lowlevel
 import torch
 
 from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
@@ -46,12 +46,12 @@ class _Waker:
     """Wakes one task of the event loop it was made in, from any thread, without blocking."""
 
     def __init__(self) -> None:
-        if sniffio.current_async_library() == "trio":
-            import trio
-
-            self._call_soon = trio.lowlevel.current_trio_token().run_sync_soon
+        # anyio's token holds the running loop: an asyncio loop, or a TrioToken under trio
+        loop = anyio.lowlevel.current_token().native_token
+        if isinstance(loop, asyncio.AbstractEventLoop):
+            self._call_soon = loop.call_soon_threadsafe
         else:
-            self._call_soon = asyncio.get_running_loop().call_soon_threadsafe
+            self._call_soon = loop.run_sync_soon  # type: ignore[attr-defined]
         self._event = anyio.Event()
 
     def notify(self) -> None:
