@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from agentflash.kernels import dispatch
-from agentflash.kernels.reference import INVARIANT_MAX_QUERIES, gather_slots
+from agentflash.kernels.reference import (INVARIANT_MAX_QUERIES, ChunkPlan, chunk_plan,
+                                          gather_slots)
 
 
 def slot_table(page_tables: Sequence[Sequence[int]], page_size: int) -> torch.Tensor:
@@ -70,6 +71,7 @@ class PagedGroup:
     q_index: torch.Tensor            # [b, Q] group token row per (sequence, query); Tg = padding
     out_index: torch.Tensor | None   # [Tg] output row per token (None: identity)
     mask: torch.Tensor               # [b, 1, Q, L]
+    plan: ChunkPlan | None           # the CPU bfloat16 decode/verify layout, made once here
 
 
 def _query_class(n: int) -> int:
@@ -122,7 +124,7 @@ class PagedAttention:
             rows = torch.cat([torch.arange(first[b], first[b + 1]) for b in members])
             slots, group = _build_group(
                 [page_tables[b] for b in members], [ctx_lens[b] for b in members],
-                [num_new[b] for b in members], page_size, rows, device)
+                [num_new[b] for b in members], page_size, rows, k_caches[0])
             slot_mapping[rows] = slots
             groups.append(group)
         return cls(k_caches=k_caches, v_caches=v_caches, slot_mapping=slot_mapping.to(device),
@@ -134,20 +136,21 @@ class PagedAttention:
         if len(self.groups) == 1:
             g = self.groups[0]
             return dispatch.paged_attention(
-                q, k_cache, v_cache, g.gather, g.q_index, g.out_index, g.mask, self.scale)
+                q, k_cache, v_cache, g.gather, g.q_index, g.out_index, g.mask, self.scale, g.plan)
         out = torch.empty_like(q)
         for g in self.groups:
             out[g.rows] = dispatch.paged_attention(
                 q[g.rows], k_cache, v_cache, g.gather, g.q_index, g.out_index, g.mask,
-                self.scale)
+                self.scale, g.plan)
         return out
 
 
 def _build_group(
     page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int], num_new: Sequence[int],
-    page_size: int, rows: torch.Tensor, device: torch.device,
+    page_size: int, rows: torch.Tensor, cache: torch.Tensor,
 ) -> tuple[torch.Tensor, PagedGroup]:
-    """The slots of the group's new tokens and its kernel arguments."""
+    """The slots of the group's new tokens and its kernel arguments (`cache`: any layer's)."""
+    device = cache.device
     batch = len(page_tables)
     max_q = max(num_new)
     n_tokens = sum(num_new)
@@ -168,9 +171,12 @@ def _build_group(
         flat = torch.zeros(n_tokens + 1, dtype=torch.long)
         flat[q_index.reshape(-1)] = torch.arange(batch * max_q)
         out_index = flat[:n_tokens].to(device)
+    plan = None
+    if device.type == "cpu" and cache.dtype == torch.bfloat16 and max_q <= INVARIANT_MAX_QUERIES:
+        plan = chunk_plan(gather, mask[:, None], max_q, cache.shape[1], bool(q_valid.all()))
     group = PagedGroup(rows=rows.to(device), gather=gather.to(device),
                        q_index=q_index.to(device), out_index=out_index,
-                       mask=mask[:, None].to(device))
+                       mask=mask[:, None].to(device), plan=plan)
     return slots, group
 
 

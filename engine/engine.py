@@ -20,6 +20,7 @@ import torch
 from .config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
 from .constraint import TokenConstraint, masked, propose, settle
 from .errors import ContextLengthError, RequestError
+from .fastpath import prepare
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
 from .models.dflash import DFlashDraftModel, load_drafter
@@ -86,8 +87,13 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         drafter: DFlashDraftModel | None = None,
         spec: SpecConfig = SpecConfig(),
+        fast_path: bool = True,
     ):
+        """fast_path: prepare the models for inference on this machine, in place (engine.fastpath:
+        the same numbers, faster; the models stay usable for inference only); False keeps them
+        as given."""
         cfg = model.config
+        self.fast_paths = prepare(model, drafter) if fast_path else []
         self.model = model
         self.config = cfg
         self.device = next(model.parameters()).device

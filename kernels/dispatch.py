@@ -64,9 +64,9 @@ def _pick(name: str, device_type: str) -> Callable:
     return _BACKENDS["reference"][name]
 
 
-def paged_attention(q, k_cache, v_cache, gather, q_index, out_index, mask, scale):
+def paged_attention(q, k_cache, v_cache, gather, q_index, out_index, mask, scale, plan=None):
     return _pick("paged_attention", q.device.type)(
-        q, k_cache, v_cache, gather, q_index, out_index, mask, scale
+        q, k_cache, v_cache, gather, q_index, out_index, mask, scale, plan
     )
 
 

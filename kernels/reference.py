@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,42 @@ KEY_CHUNK = 256
 """Keys per chunk of the chunked path; chunk c holds keys c*KEY_CHUNK .. (c+1)*KEY_CHUNK - 1."""
 
 
+class ChunkPlan(NamedTuple):
+    """The layout `_chunked_attention` reads, built once per forward and shared by every layer
+    (all layers have the same page tables, lengths and KV head count)."""
+
+    kv_index: torch.Tensor          # [B*Hkv*n*C] rows of a cache viewed as [S*Hkv, D]: each
+                                    # sequence's keys head by head, padded to whole chunks
+    chunks: int                     # n
+    first: int                      # first chunk that some query does not see whole
+    hidden: torch.Tensor | None     # [B, 1, n-first, Q, 1, C] True: key hidden from query
+    dense_queries: bool             # q_index is the identity (no padding): q is [B*Q] as is
+
+
+def chunk_plan(gather: torch.Tensor, mask: torch.Tensor | None, q_len: int, n_kv: int,
+               dense_queries: bool = False) -> ChunkPlan:
+    """The ChunkPlan of `paged_attention`'s gather [B, L] and mask [B, 1, Q, L] (None: all
+    visible) for caches with `n_kv` KV heads; dense_queries as the caller knows it."""
+    batch, keys = gather.shape
+    chunks = -(-keys // KEY_CHUNK)
+    pad = chunks * KEY_CHUNK - keys
+    visible = (torch.ones(batch, q_len, keys, dtype=torch.bool, device=gather.device)
+               if mask is None else mask[:, 0])
+    if pad:
+        gather = F.pad(gather, (0, pad), value=0)
+        visible = F.pad(visible, (0, pad), value=False)
+    visible = visible.view(batch, q_len, chunks, KEY_CHUNK)
+    # Only chunks some query does not see whole are masked (masking leaves seen scores as they
+    # are, so which chunks get masked changes no bit of a query's result).
+    seen = visible.all(-1).all(1).all(0).tolist()
+    first = seen.index(False) if False in seen else chunks
+    hidden = (~visible[:, :, first:].transpose(1, 2)[:, None, :, :, None]
+              if first < chunks else None)
+    heads = torch.arange(n_kv, device=gather.device)
+    kv_index = (gather[:, None, :] * n_kv + heads[None, :, None]).reshape(-1)
+    return ChunkPlan(kv_index, chunks, first, hidden, dense_queries)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -23,6 +61,7 @@ def paged_attention(
     out_index: torch.Tensor | None,
     mask: torch.Tensor | None,
     scale: float,
+    plan: ChunkPlan | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened batch of queries over paged K/V.
 
@@ -32,6 +71,8 @@ def paged_attention(
     q_index  [B, Q]       row of q for each (sequence, query) pair; T means padding
     out_index [T]         row of the flattened [B*Q] output holding each query (None: identity)
     mask     [B, 1, Q, L] True where query may see key (None: all visible)
+    plan                  `chunk_plan` of gather/mask, when the caller built it once for all
+                          layers (bfloat16 decode/verify groups); made here when needed and None
     returns  [T, Hq, D]
 
     In bfloat16, decode rows and verify blocks (Q <= INVARIANT_MAX_QUERIES) go through
@@ -42,9 +83,14 @@ def paged_attention(
     """
     n_tokens, n_heads, head_dim = q.shape
     batch, q_len = q_index.shape
-    q_pad = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[q_index]  # [B, Q, Hq, D]
+    if plan is not None and plan.dense_queries:
+        q_pad = q.view(batch, q_len, n_heads, head_dim)
+    else:
+        q_pad = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[q_index]  # [B, Q, Hq, D]
     if q_len <= INVARIANT_MAX_QUERIES and q.dtype == torch.bfloat16:
-        out = _chunked_attention(q_pad, k_cache, v_cache, gather, mask, scale)
+        if plan is None:
+            plan = chunk_plan(gather, mask, q_len, k_cache.shape[1])
+        out = _chunked_attention(q_pad, k_cache, v_cache, plan, scale)
     else:
         k = gather_slots(k_cache, gather).transpose(1, 2)  # [B, Hkv, L, D]
         v = gather_slots(v_cache, gather).transpose(1, 2)
@@ -63,8 +109,8 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _chunked_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
-    mask: torch.Tensor | None, scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: ChunkPlan,
+    scale: float,
 ) -> torch.Tensor:
     """paged_attention for few queries [B, Q, Hq, D], computed so that each query's output is
     bitwise independent of the other queries in the call and of keys it does not see.
@@ -78,38 +124,28 @@ def _chunked_attention(
     out the same whatever Q is (measured for bfloat16; float32 GEMMs on CPU depend on the row
     count, so there outputs agree to float32 rounding only); the softmax subtracts the row's
     global maximum (exact), sums each chunk over its KEY_CHUNK keys, and chunks add up one by
-    one in order, a chunk the query cannot see adding exact zeros. Returns [B, Q, Hq, D].
+    one in order, a chunk the query cannot see adding exact zeros. Keys and values are gathered
+    head-major (plan.kv_index), so the matmuls read them as gathered, with no second copy.
+    Returns [B, Q, Hq, D].
     """
     batch, q_len, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]
     group = n_heads // n_kv
-    keys = gather.shape[1]
-    chunks = -(-keys // KEY_CHUNK)
-    pad = chunks * KEY_CHUNK - keys
-    visible = (torch.ones(batch, q_len, keys, dtype=torch.bool, device=q.device)
-               if mask is None else mask[:, 0])
-    if pad:
-        gather = F.pad(gather, (0, pad), value=0)
-        visible = F.pad(visible, (0, pad), value=False)
-    visible = visible.view(batch, q_len, chunks, KEY_CHUNK)
-    # Only chunks some query does not see whole are masked (masking leaves seen scores as they
-    # are, so which chunks get masked changes no bit of a query's result).
-    seen = visible.all(-1).all(1).all(0).tolist()
-    first = seen.index(False) if False in seen else chunks
-    k = gather_slots(k_cache, gather).view(batch, chunks, KEY_CHUNK, n_kv, head_dim)
-    v = gather_slots(v_cache, gather).view(batch, chunks, KEY_CHUNK, n_kv, head_dim)
+    chunks, first = plan.chunks, plan.first
+    shape = (batch, n_kv, chunks, KEY_CHUNK, head_dim)
+    k = k_cache.view(-1, head_dim).index_select(0, plan.kv_index).view(shape)
+    v = v_cache.view(-1, head_dim).index_select(0, plan.kv_index).view(shape)
     qg = q.view(batch, q_len, n_kv, group, head_dim).transpose(1, 2)
     qg = qg.reshape(batch, n_kv, 1, q_len * group, head_dim)           # [B, Hkv, 1, Q*G, D]
-    s = torch.matmul(qg, k.permute(0, 3, 1, 4, 2)).float()             # [B, Hkv, n, Q*G, C]
+    s = torch.matmul(qg, k.transpose(-1, -2)).float()                  # [B, Hkv, n, Q*G, C]
     s = s.view(batch, n_kv, chunks, q_len, group, KEY_CHUNK).mul_(scale)
-    if first < chunks:
-        hidden = ~visible[:, :, first:].transpose(1, 2)[:, None, :, :, None]  # [B,1,n',Q,1,C]
-        s[:, :, first:].masked_fill_(hidden, float("-inf"))
+    if plan.hidden is not None:
+        s[:, :, first:].masked_fill_(plan.hidden, float("-inf"))
     top = s.amax(dim=(2, 5), keepdim=True)                             # exact in any order
     e = s.sub_(top).exp_()   # numel a multiple of KEY_CHUNK: every element takes the vector exp
     total = e.sum(-1, keepdim=True)                                    # per chunk, fixed length
     e = e.view(batch, n_kv, chunks, q_len * group, KEY_CHUNK).to(v.dtype)
-    o = torch.matmul(e, v.permute(0, 3, 1, 2, 4)).float()             # [B, Hkv, n, Q*G, D]
+    o = torch.matmul(e, v).float()                                     # [B, Hkv, n, Q*G, D]
     o = torch.cat([o.view(batch, n_kv, chunks, q_len, group, head_dim), total], -1)
     # Chunks add up one by one, in order: a reduction kernel's order depends on the shape.
     acc = o[:, :, 0]

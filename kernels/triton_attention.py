@@ -184,8 +184,10 @@ def paged_attention(
     out_index: torch.Tensor | None,
     mask: torch.Tensor | None,
     scale: float,
+    plan: object = None,
 ) -> torch.Tensor:
-    """Same contract as `reference.paged_attention`."""
+    """Same contract as `reference.paged_attention` (`plan`, the reference's CPU layout, is
+    not needed here)."""
     n_tokens, n_heads, head_dim = q.shape
     group = _check_heads(n_heads, k_cache.shape[1], head_dim)
     batch, q_len = q_index.shape

@@ -69,6 +69,9 @@ class DFlashDraftModel(nn.Module):
         )
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        # Inference transformations that cannot slice qkv_proj's weight (packed weights) give
+        # each layer a linear of its own for the context K/V rows (engine.fastpath).
+        self.context_kv_proj: nn.ModuleList | None = None
         # As the reference: sliding layers are causal in the block unless is_causal says otherwise.
         self._kinds = tuple(
             LayerKind(
@@ -80,11 +83,11 @@ class DFlashDraftModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self.norm.weight.device
 
     def layer_kind(self, layer: int) -> LayerKind:
         return self._kinds[layer]
@@ -134,8 +137,11 @@ class DFlashDraftModel(nn.Module):
         """Layer `layer`'s raw keys and values [T, Hkv, D] of ctx: the K/V rows of its qkv_proj."""
         attn = self.layers[layer].self_attn
         q_size, kv_size, _ = attn.split_sizes
-        weight, bias = attn.qkv_proj.weight, attn.qkv_proj.bias
-        kv = F.linear(ctx, weight[q_size:], None if bias is None else bias[q_size:])
+        if self.context_kv_proj is not None:
+            kv = self.context_kv_proj[layer](ctx)
+        else:
+            weight, bias = attn.qkv_proj.weight, attn.qkv_proj.bias
+            kv = F.linear(ctx, weight[q_size:], None if bias is None else bias[q_size:])
         k, v = kv.split(kv_size, dim=-1)
         n = ctx.shape[0]
         return (k.view(n, attn.num_kv_heads, attn.head_dim),

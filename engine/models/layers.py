@@ -20,10 +20,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x, self.weight)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This norm over x's last dimension with another `weight` (broadcast against x)."""
         if x.dtype == torch.float32:  # one fused op (the float32 path runs every CPU decode step)
-            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+            return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        return weight * h.to(x.dtype)
 
 
 class GatedMLP(nn.Module):

@@ -52,12 +52,15 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        qk, v = qkv.split((heads + kv_heads, kv_heads), dim=1)
+        # q and k heads are normalised and rotated in one call each (both act on every head
+        # alone, so this is bitwise the two separate calls, with half the kernel launches)
+        if isinstance(self.q_norm, RMSNorm):
+            qk = self.q_norm.norm(qk, torch.cat((self.q_norm.weight.expand(heads, -1),
+                                                 self.k_norm.weight.expand(kv_heads, -1))))
+        q, k = apply_rope(qk, cos, sin).split((heads, kv_heads), dim=1)
         out = attn.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -90,8 +93,9 @@ class CausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied checkpoints have no lm_head: `logits` multiplies by the embedding matrix instead,
-        # so nothing needs re-tying after `load_state_dict(assign=True)`.
-        self.lm_head: nn.Linear | None = None
+        # so nothing needs re-tying after `load_state_dict(assign=True)`. (An inference
+        # transformation may set a head of its own: engine.fastpath packs one on CPU.)
+        self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
@@ -111,8 +115,9 @@ class CausalLM(nn.Module):
         """float32 logits [..., vocab] (the matmul runs in the model dtype, as in HF). Leading
         dimensions are flattened first: on a strided 3-d view (the drafter's block rows) linear
         would broadcast the head into a batched matmul several times slower on CPU."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        flat = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        flat = (F.linear(flat, self.embed_tokens.weight) if self.lm_head is None
+                else self.lm_head(flat))
         return flat.view(*hidden.shape[:-1], flat.shape[-1]).float()
 
     def forward(

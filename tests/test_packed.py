@@ -1,0 +1,70 @@
+"""The CPU fast path (engine.fastpath, engine.models.packed): oneDNN-prepacked bfloat16 linears
+give F.linear's numbers bit for bit at every row count, and an engine with the fast path
+generates exactly what one without it does, plainly and speculatively."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agentflash.embedded import embedded_model_dir, model_drafter_dir
+from agentflash.engine.config import SpecConfig
+from agentflash.engine.engine import Engine
+from agentflash.engine.models.dflash import load_drafter
+from agentflash.engine.models.loader import load_model
+from agentflash.engine.models.packed import PackedLinear, packing_available
+from agentflash.engine.sampler import SamplingParams
+
+pytestmark = pytest.mark.skipif(not packing_available(),
+                                reason="this torch build or CPU has no oneDNN bf16 matmuls")
+
+
+@pytest.mark.parametrize("shape", [(1152, 384), (4096, 384), (384, 1024), (1024, 3072),
+                                   (48, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_f_linear_bit_for_bit(shape, bias):
+    g = torch.Generator().manual_seed(shape[0])
+    out_f, in_f = shape
+    w = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16)
+    b = torch.randn(out_f, generator=g).to(torch.bfloat16) if bias else None
+    layer = PackedLinear(w, b)
+    x = torch.randn(33, in_f, generator=g).to(torch.bfloat16)
+    for rows in range(1, 34):
+        assert torch.equal(layer(x[:rows]), F.linear(x[:rows], w, b)), rows
+    assert torch.equal(layer(x.view(3, 11, in_f)), F.linear(x, w, b).view(3, 11, out_f))
+
+
+def _run(engine: Engine, prompts: list[list[int]], new: int) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    return [c.output_ids for c in engine.generate(prompts, params)]
+
+
+def test_fast_path_changes_no_token():
+    """The embedded model in bfloat16, with and without the fast path: plain, DFlash (its
+    drafter packed too, context K/V rows included), batched."""
+    prompts = [[(7 * i + 11 * j) % 4000 + 5 for i in range(n)] for j, n in
+               enumerate((40, 300, 700))]
+    path = embedded_model_dir()
+    eager = load_model(path, dtype=torch.bfloat16)
+    eager_drafter = load_drafter(model_drafter_dir(path), eager)
+    fast = load_model(path, dtype=torch.bfloat16)
+    fast_drafter = load_drafter(model_drafter_dir(path), fast)
+    plain = Engine(fast, fast_path=True)
+    assert plain.fast_paths == ["onednn-packed-bf16"]
+    assert isinstance(fast.layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(fast.lm_head, PackedLinear)  # tied: a packed copy of the embedding
+    want = _run(Engine(eager, fast_path=False), prompts, 48)
+    assert _run(plain, prompts, 48) == want
+    spec = Engine(fast, drafter=fast_drafter, spec=SpecConfig(16))
+    assert fast_drafter.context_kv_proj is not None
+    eager_spec = Engine(eager, drafter=eager_drafter, spec=SpecConfig(16), fast_path=False)
+    assert _run(spec, prompts, 48) == _run(eager_spec, prompts, 48) == want
+    assert spec.counters.accepted_tokens == eager_spec.counters.accepted_tokens > 0
+
+
+def test_float32_is_left_as_loaded():
+    model = load_model(embedded_model_dir(), dtype=torch.float32)
+    engine = Engine(model)
+    assert engine.fast_paths == [] and model.lm_head is None
+    assert isinstance(model.layers[0].mlp.down_proj, torch.nn.Linear)
