@@ -136,6 +136,8 @@ def _generate(args: argparse.Namespace) -> int:
             "device": str(device),
             "dtype": str(dtype).removeprefix("torch."),
             "model": str(model_dir),
+            "fast_path": engine.fast_paths,
+            "fast_path_s": round(engine.fast_path_s, 4),
         }
         if drafter is not None:
             c = done.counters

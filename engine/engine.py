@@ -93,7 +93,9 @@ class Engine:
         the same numbers, faster; the models stay usable for inference only); False keeps them
         as given."""
         cfg = model.config
+        t0 = time.perf_counter()
         self.fast_paths = prepare(model, drafter) if fast_path else []
+        self.fast_path_s = time.perf_counter() - t0  # preparing the models (once, at start)
         self.model = model
         self.config = cfg
         self.device = next(model.parameters()).device

