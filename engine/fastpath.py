@@ -15,6 +15,7 @@ the same with and without it (tests/test_packed.py, and the engine tests run thr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,8 +23,10 @@ import torch
 from torch import nn
 
 from .models.dflash import DFlashDraftModel
-from .models.packed import PackedLinear, can_pack, pack_linears
+from .models.packed import PackedLinear, can_pack, pack_linears, packing_available
 from .models.qwen3 import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ FAST_PATHS: list[FastPath] = [FastPath("onednn-packed-bf16", _packs, _pack)]
 def prepare(model: CausalLM, drafter: DFlashDraftModel | None = None) -> list[str]:
     """Apply, in place, every registered transformation that applies to `model` (and its
     drafter); returns their names. Models stay usable for inference only."""
+    weight = model.embed_tokens.weight
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not packing_available():
+        log.warning("oneDNN bfloat16 matmuls with prepacked weights are not available in this "
+                    "torch build or on this CPU: linear layers run unpacked (slower)")
     applied = []
     with torch.inference_mode():
         for path in FAST_PATHS:

