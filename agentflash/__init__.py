@@ -1,8 +1,9 @@
 """agentflash: an in-process runtime that makes LLM agent loops fast."""
 
-from .agent import (Agent, Event, MaxStepsError, RunResult, Step, StepEvent, TextEvent, ToolCall,
-                    ToolCallEvent, ToolResult, ToolResultEvent)
+from .agent import (Agent, Event, MaxStepsError, RunResult, StepEvent, TextEvent, ToolCallEvent,
+                    ToolResultEvent)
 from .runtime import Runtime
+from .step import Step, ToolCall, ToolResult
 from .tool import Tool, tool
 from .usage import Usage
 

@@ -33,40 +33,11 @@ from .runtime import Generation, Runtime
 from .structured import OutputSpec
 from .telemetry import RunLog, Tracer, step_records
 from .tool import Tool, as_tool
+from .step import Step, ToolCall, ToolResult
 from .toolcall_parser import MalformedToolCall, TextDelta, ToolCallParser
 from .usage import Usage
 
 TOOL_CHOICES = ("auto", "required", "none")
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ToolResult:
-    call_id: str
-    name: str
-    content: str                     # what the model sees
-    error: str | None = None         # None | "invalid_arguments" | "exception" | "timeout" |
-    elapsed_s: float = 0.0           # "unknown_tool"
-
-
-@dataclass
-class Step:
-    """One model turn and the tools it ran."""
-
-    message: str                                 # the reply's text, tool calls removed
-    tool_calls: list[ToolCall]
-    tool_results: list[ToolResult]               # none for schema-only tools (caller supplies)
-    output: Any                                  # final step: output_type instance (or text)
-    is_final: bool
-    usage: Usage
-    finish_reason: str                           # "stop" | "length"
-    malformed_calls: list[MalformedToolCall] = field(default_factory=list)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .agent import Step
+    from .step import Step
 
 try:
     from opentelemetry import trace as otel_trace
