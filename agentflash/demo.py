@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .agent import Agent, MaxStepsError, Step
+from .agent import Agent, MaxStepsError
+from .step import Step
 from .examples.demo_tools import DEMO_TASK, Workspace
 from .runtime import Runtime
 
