@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 
 from .agent import Agent, MaxStepsError
-from .step import Step
 from .examples.demo_tools import DEMO_TASK, Workspace
 from .runtime import Runtime
+from .step import Step
 
 INSTRUCTIONS = "You are a helpful assistant. Use the tools to answer."
 MODES = {  # name -> (speculative, reuse_kv)
