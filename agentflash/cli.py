@@ -47,6 +47,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
     p.add_argument("--device", default="auto", help="cpu|cuda|auto")
+    p.add_argument("--quantize", choices=["int4"], default=None,
+                   help="int4 weights for the model's layers (CPU, bfloat16)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: fits context)")
     p.add_argument("--draft", help="DFlash drafter checkpoint directory (speculative decoding; "
@@ -103,7 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
     pages = args.num_pages or -(-need // args.page_size) + 2
     detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     engine = Engine(model, CacheConfig(args.page_size, pages), detokenize=detok, drafter=drafter,
-                    spec=SpecConfig(args.block_size))
+                    spec=SpecConfig(args.block_size), quantize=args.quantize)
     # The engine stops at the model's eos ids (generation_config.json's, else config.json's); a
     # chat reply also ends at the tokenizer's eos (the end-of-turn token, where those name
     # another one).

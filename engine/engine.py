@@ -88,13 +88,17 @@ class Engine:
         drafter: DFlashDraftModel | None = None,
         spec: SpecConfig = SpecConfig(),
         fast_path: bool = True,
+        quantize: str | None = None,
     ):
         """fast_path: prepare the models for inference on this machine, in place (engine.fastpath:
         the same numbers, faster; the models stay usable for inference only); False keeps them
-        as given."""
+        as given. quantize="int4": int4 weights for the target's layers (CPU, bfloat16; other
+        numbers than the checkpoint's, so only when asked for)."""
         cfg = model.config
+        if quantize is not None and not fast_path:
+            raise ValueError("quantize needs the fast path (fast_path=True)")
         t0 = time.perf_counter()
-        self.fast_paths = prepare(model, drafter) if fast_path else []
+        self.fast_paths = prepare(model, drafter, quantize) if fast_path else []
         self.fast_path_s = time.perf_counter() - t0  # preparing the models (once, at start)
         self.model = model
         self.config = cfg

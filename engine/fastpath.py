@@ -11,6 +11,12 @@ the same with and without it (tests/test_packed.py, and the engine tests run thr
 - `onednn-packed-bf16` (CPU, bfloat16, oneDNN with bf16 support): every linear layer's weight is
   reordered once into oneDNN's blocked layout (engine.models.packed); the tied lm_head gets a
   packed copy of the embedding matrix (the embedding lookup keeps the plain one).
+
+One transformation changes the numbers and so runs only when asked for (`quantize="int4"`):
+- `int4-weights` (CPU, bfloat16): the target's decoder linears become group-wise int4
+  (engine.models.quantized); the lm_head, the embedding and the drafter stay bfloat16 (the
+  drafter runs on 16 rows a forward, where the int4 kernel is slower than packed bf16). Greedy
+  speculative output equals the quantized target's plain output, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,19 +30,32 @@ from torch import nn
 
 from .models.dflash import DFlashDraftModel
 from .models.packed import PackedLinear, can_pack, pack_linears, packing_available
+from .models.quantized import int4_available, quantize_linears_int4
 from .models.qwen3 import CausalLM
 
 log = logging.getLogger(__name__)
 
 
+QUANTIZATIONS = ("int4",)
+
+
 @dataclass(frozen=True)
 class FastPath:
     name: str
-    applies: Callable[[CausalLM], bool]
+    applies: Callable[[CausalLM, str | None], bool]   # (model, quantize)
     apply: Callable[[CausalLM, DFlashDraftModel | None], None]
 
 
-def _packs(model: CausalLM) -> bool:
+def _cpu_bf16(model: CausalLM) -> bool:
+    weight = model.embed_tokens.weight
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+
+
+def _int4(model: CausalLM, drafter: DFlashDraftModel | None) -> None:
+    quantize_linears_int4(model.layers)
+
+
+def _packs(model: CausalLM, quantize: str | None) -> bool:
     return can_pack(model.embed_tokens.weight)
 
 
@@ -59,20 +78,31 @@ def _kv_rows(attn: nn.Module) -> nn.Module:
                         None if bias is None else bias[q_size:])
 
 
-FAST_PATHS: list[FastPath] = [FastPath("onednn-packed-bf16", _packs, _pack)]
+FAST_PATHS: list[FastPath] = [  # in order: int4 first, packing takes what int4 left
+    FastPath("int4-weights", lambda model, quantize: quantize == "int4", _int4),
+    FastPath("onednn-packed-bf16", _packs, _pack),
+]
 
 
-def prepare(model: CausalLM, drafter: DFlashDraftModel | None = None) -> list[str]:
+def prepare(model: CausalLM, drafter: DFlashDraftModel | None = None,
+            quantize: str | None = None) -> list[str]:
     """Apply, in place, every registered transformation that applies to `model` (and its
-    drafter); returns their names. Models stay usable for inference only."""
-    weight = model.embed_tokens.weight
-    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not packing_available():
+    drafter); returns their names. Models stay usable for inference only. quantize="int4"
+    asks for int4 weights (CPU, bfloat16 only: ValueError elsewhere)."""
+    if quantize is not None:
+        if quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantize={quantize!r}: choose from {QUANTIZATIONS} or None")
+        if not _cpu_bf16(model) or not int4_available():
+            weight = model.embed_tokens.weight
+            raise ValueError(f"quantize={quantize!r} needs a bfloat16 model on CPU and torch's "
+                             f"CPU int4 kernel; this one is {weight.dtype} on {weight.device}")
+    if _cpu_bf16(model) and not packing_available():
         log.warning("oneDNN bfloat16 matmuls with prepacked weights are not available in this "
                     "torch build or on this CPU: linear layers run unpacked (slower)")
     applied = []
     with torch.inference_mode():
         for path in FAST_PATHS:
-            if path.applies(model):
+            if path.applies(model, quantize):
                 path.apply(model, drafter)
                 applied.append(path.name)
     return applied

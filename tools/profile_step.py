@@ -32,7 +32,8 @@ from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
 from agentflash.engine.scheduler import BatchItem
 
-LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear"}
+LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
+              "aten::_weight_int4pack_mm_for_cpu"}
 GATHER_OPS = {"aten::index_select"}
 ATTENTION_MATMUL_OPS = {"aten::bmm"}
 

@@ -1,0 +1,81 @@
+"""Weight-only int4 (engine.models.quantized, Engine(quantize="int4")): the layer computes what its
+dequantized weight does, its rows do not depend on how many share a call, and speculative
+greedy output equals the quantized model's own plain output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agentflash.embedded import embedded_model_dir, model_drafter_dir
+from agentflash.engine.config import SpecConfig
+from agentflash.engine.engine import Engine
+from agentflash.engine.models.dflash import load_drafter
+from agentflash.engine.models.loader import load_model
+from agentflash.engine.models.quantized import (GROUP_SIZE, Int4Linear, dequantize, fits,
+                                                int4_available, quantize_weight)
+from agentflash.engine.sampler import SamplingParams
+
+pytestmark = pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel in this torch")
+
+
+def test_quantization_error_is_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 4 * GROUP_SIZE, generator=g) * 3).to(torch.bfloat16)
+    q, scales_zeros = quantize_weight(w)
+    assert q.min() >= 0 and q.max() <= 15
+    step = scales_zeros[..., 0].float().transpose(0, 1).repeat_interleave(GROUP_SIZE, 1)
+    err = (dequantize(q, scales_zeros) - w.float()).abs()
+    # half a step, plus what rounding scale and zero to bfloat16 moves the grid at its ends
+    assert (err <= 0.55 * step).all()
+
+
+@pytest.mark.parametrize("shape", [(1152, 384), (384, 1024), (1024, 3072)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_is_its_dequantized_weight_and_row_invariant(shape, bias):
+    g = torch.Generator().manual_seed(shape[0])
+    out_f, in_f = shape
+    w = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16)
+    b = torch.randn(out_f, generator=g).to(torch.bfloat16) if bias else None
+    layer = Int4Linear(w, b)
+    x = torch.randn(33, in_f, generator=g).to(torch.bfloat16)
+    want = F.linear(x.float(), dequantize(*quantize_weight(w)), None if b is None else b.float())
+    got = layer(x).float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()  # bf16 output rounding
+    rows = [layer(x[i:i + 1]) for i in range(33)]
+    for m in range(2, 34):
+        assert torch.equal(layer(x[:m]), torch.cat(rows[:m])), m
+
+
+def test_shapes_the_kernel_does_not_take_stay_as_they_were():
+    assert fits(torch.zeros(48, GROUP_SIZE)) and not fits(torch.zeros(40, GROUP_SIZE))
+    assert not fits(torch.zeros(48, GROUP_SIZE + 8))
+
+
+def test_int4_engine_speculates_losslessly():
+    path = embedded_model_dir()
+    target = load_model(path, dtype=torch.bfloat16)
+    drafter = load_drafter(model_drafter_dir(path), target)
+    plain = Engine(target, quantize="int4")
+    assert plain.fast_paths == ["int4-weights", "onednn-packed-bf16"]
+    assert isinstance(target.layers[0].self_attn.qkv_proj, Int4Linear)
+    prompts = [[(7 * i + 11 * j) % 4000 + 5 for i in range(n)] for j, n in
+               enumerate((40, 300, 700))]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    # one prompt at a time: batched, the two engines would split prefills into other chunks
+    # (decode rows take other shares of the token budget), which moves K/V in the last bits
+    want = [plain.generate([p], params)[0].output_ids for p in prompts]
+    spec = Engine(target, drafter=drafter, spec=SpecConfig(16))  # already quantized: kept
+    assert [spec.generate([p], params)[0].output_ids for p in prompts] == want
+    assert spec.counters.accepted_tokens > 0
+
+
+def test_bad_quantize_requests_are_clear():
+    model = load_model(embedded_model_dir(), dtype=torch.float32)
+    with pytest.raises(ValueError, match="bfloat16 model on CPU"):
+        Engine(model, quantize="int4")
+    with pytest.raises(ValueError, match="choose from"):
+        Engine(model, quantize="int3")
+    with pytest.raises(ValueError, match="needs the fast path"):
+        Engine(model, quantize="int4", fast_path=False)
