@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .models.dflash import DFlashDraftModel
-from .models.packed import PackedLinear, can_pack, pack_linears, packing_available
+from .models.packed import PackedLinear, pack_linears, packing_available
 from .models.quantized import int4_available, quantize_linears_int4
 from .models.qwen3 import CausalLM
 
@@ -56,7 +56,7 @@ def _int4(model: CausalLM, drafter: DFlashDraftModel | None) -> None:
 
 
 def _packs(model: CausalLM, quantize: str | None) -> bool:
-    return can_pack(model.embed_tokens.weight)
+    return _cpu_bf16(model) and packing_available()
 
 
 def _pack(model: CausalLM, drafter: DFlashDraftModel | None) -> None:

@@ -186,3 +186,20 @@ def dflash_checkpoint(tmp_path):
         return make_dflash_checkpoint(tmp_path / name, target_config, **kwargs)
 
     return make
+
+
+def random_linear_case(out_features: int, in_features: int, bias: bool, rows: int = 33):
+    """A bfloat16 weight [out, in], a bias (or None) and inputs [rows, in], seeded by shape."""
+    g = torch.Generator().manual_seed(out_features * 7919 + in_features)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    return w, b, x
+
+
+def assert_rows_independent(layer, x: torch.Tensor) -> None:
+    """layer(x[:m]) equals its rows computed one by one, for every m: the property that keeps a
+    verify block's rows bitwise a plain decode step's."""
+    rows = [layer(x[i:i + 1]) for i in range(x.shape[0])]
+    for m in range(2, x.shape[0] + 1):
+        assert torch.equal(layer(x[:m]), torch.cat(rows[:m])), f"{m} rows"

@@ -16,6 +16,8 @@ from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.packed import PackedLinear, packing_available
 from agentflash.engine.sampler import SamplingParams
 
+from conftest import random_linear_case
+
 pytestmark = pytest.mark.skipif(not packing_available(),
                                 reason="this torch build or CPU has no oneDNN bf16 matmuls")
 
@@ -24,14 +26,11 @@ pytestmark = pytest.mark.skipif(not packing_available(),
                                    (48, 40)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_f_linear_bit_for_bit(shape, bias):
-    g = torch.Generator().manual_seed(shape[0])
-    out_f, in_f = shape
-    w = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16)
-    b = torch.randn(out_f, generator=g).to(torch.bfloat16) if bias else None
+    w, b, x = random_linear_case(*shape, bias)
     layer = PackedLinear(w, b)
-    x = torch.randn(33, in_f, generator=g).to(torch.bfloat16)
-    for rows in range(1, 34):
+    for rows in range(1, x.shape[0] + 1):
         assert torch.equal(layer(x[:rows]), F.linear(x[:rows], w, b)), rows
+    in_f, out_f = shape[1], shape[0]
     assert torch.equal(layer(x.view(3, 11, in_f)), F.linear(x, w, b).view(3, 11, out_f))
 
 

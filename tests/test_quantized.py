@@ -17,6 +17,8 @@ from agentflash.engine.models.quantized import (GROUP_SIZE, Int4Linear, dequanti
                                                 int4_available, quantize_weight)
 from agentflash.engine.sampler import SamplingParams
 
+from conftest import assert_rows_independent, random_linear_case
+
 pytestmark = pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel in this torch")
 
 
@@ -34,18 +36,12 @@ def test_quantization_error_is_within_half_a_step():
 @pytest.mark.parametrize("shape", [(1152, 384), (384, 1024), (1024, 3072)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_linear_is_its_dequantized_weight_and_row_invariant(shape, bias):
-    g = torch.Generator().manual_seed(shape[0])
-    out_f, in_f = shape
-    w = torch.randn(out_f, in_f, generator=g).to(torch.bfloat16)
-    b = torch.randn(out_f, generator=g).to(torch.bfloat16) if bias else None
+    w, b, x = random_linear_case(*shape, bias)
     layer = Int4Linear(w, b)
-    x = torch.randn(33, in_f, generator=g).to(torch.bfloat16)
     want = F.linear(x.float(), dequantize(*quantize_weight(w)), None if b is None else b.float())
     got = layer(x).float()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()  # bf16 output rounding
-    rows = [layer(x[i:i + 1]) for i in range(33)]
-    for m in range(2, 34):
-        assert torch.equal(layer(x[:m]), torch.cat(rows[:m])), m
+    assert_rows_independent(layer, x)
 
 
 def test_shapes_the_kernel_does_not_take_stay_as_they_were():

@@ -4,7 +4,7 @@ A decode step on CPU streams every weight once for one token, so its matmuls are
 bandwidth: four bits per weight instead of sixteen is a quarter of the bytes. torch's CPU int4
 matmul (`aten._weight_int4pack_mm_for_cpu`) reads 0.6B-shaped layer weights at 69 GB/s bf16
 equivalent for one row, against 24 GB/s for oneDNN's packed bf16 (2-core EPYC; docs/
-performance.md); for 16 rows it is slower than bf16 (10 against 19 GB/s), so verifying drafts
+performance.md); for 16 rows it is slower than bf16 (10 against 18 GB/s), so verifying drafts
 costs more in plain steps than it does in bf16.
 
 Quantization is group-wise asymmetric, as torch's kernel expects: each row's weights in groups
@@ -72,12 +72,12 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size,
                                                          self.scales_zeros)
         if self.bias is not None:
             out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
