@@ -49,6 +49,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="cpu|cuda|auto")
     p.add_argument("--quantize", choices=["int4"], default=None,
                    help="int4 weights for the model's layers (CPU, bfloat16)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="run the decode step eager (no compiled program; engine.compiled)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: fits context)")
     p.add_argument("--draft", help="DFlash drafter checkpoint directory (speculative decoding; "
@@ -105,7 +107,8 @@ def _generate(args: argparse.Namespace) -> int:
     pages = args.num_pages or -(-need // args.page_size) + 2
     detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     engine = Engine(model, CacheConfig(args.page_size, pages), detokenize=detok, drafter=drafter,
-                    spec=SpecConfig(args.block_size), quantize=args.quantize)
+                    spec=SpecConfig(args.block_size), quantize=args.quantize,
+                    compile=False if args.no_compile else None)
     # The engine stops at the model's eos ids (generation_config.json's, else config.json's); a
     # chat reply also ends at the tokenizer's eos (the end-of-turn token, where those name
     # another one).
@@ -140,6 +143,7 @@ def _generate(args: argparse.Namespace) -> int:
             "model": str(model_dir),
             "fast_path": engine.fast_paths,
             "fast_path_s": round(engine.fast_path_s, 4),
+            "fast_path_seconds": {k: round(v, 4) for k, v in engine.fast_path_seconds.items()},
         }
         if drafter is not None:
             c = done.counters

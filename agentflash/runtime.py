@@ -205,6 +205,7 @@ class Runtime:
         log: str | Path | None = None,
         speculation: str = "auto",
         quantize: str | None = None,
+        compile: bool | None = None,
     ) -> Runtime:
         """Load a model directory (None: the embedded default) and its drafter.
 
@@ -216,21 +217,24 @@ class Runtime:
         the most tokens per unit of time given its acceptance so far and the step costs measured
         at load, and decodes token by token once speculation does not pay (same output either
         way); "always": every step verifies a full block. quantize="int4": int4 weights for
-        the target's layers (CPU, bfloat16; engine.fastpath).
+        the target's layers (CPU, bfloat16; engine.fastpath). compile: the decode step and
+        the drafter compiled ahead of time on CPU in bfloat16 (engine.compiled; the first load
+        on a machine compiles, ~1 min at 11m, later ones load from the disk cache; None: unless
+        $AGENTFLASH_COMPILE=0).
 
         Loading and the step-cost measurements run on a thread of their own that then exits
         (`_off_this_thread`), so the calling thread (usually the event loop's) never runs a
         parallel torch op."""
         return _off_this_thread(lambda: cls._load(
             model, draft, device, dtype, cache, scheduler, block_size, session_ttl, pricing, log,
-            speculation, quantize))
+            speculation, quantize, compile))
 
     @classmethod
     def _load(
         cls, model: str | Path | None, draft: str | Path | bool | None, device: str,
         dtype: str | torch.dtype | None, cache: CacheConfig | None, scheduler: SchedulerConfig,
         block_size: int | None, session_ttl: float | None, pricing: Pricing | None,
-        log: str | Path | None, speculation: str, quantize: str | None,
+        log: str | Path | None, speculation: str, quantize: str | None, compile: bool | None,
     ) -> Runtime:
         model_dir = resolve_model(model)
         dev = resolve_device(device)
@@ -249,7 +253,7 @@ class Runtime:
             cache = CacheConfig(page_size, 16 * -(-cfg.max_position_embeddings // page_size))
         engine = Engine(target, cache, scheduler, drafter=drafter,
                         spec=SpecConfig(block_size), detokenize=tokenizer.decode,
-                        quantize=quantize)
+                        quantize=quantize, compile=compile)
         return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log,
                    speculation)
 

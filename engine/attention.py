@@ -66,12 +66,14 @@ class PagedGroup:
     """Sequences of one forward attended in one kernel call, padded to the group's longest run
     of queries and context (see `PagedAttention.build`). Indices are local to the group."""
 
-    rows: torch.Tensor               # [Tg] rows of q (and of the output) holding its queries
-    gather: torch.Tensor             # [b, L] slots of each sequence's keys (whole pages)
+    rows: torch.Tensor | None        # [Tg] rows of q (and of the output) holding its queries
+                                     # (None: the group is the whole forward)
+    gather: torch.Tensor | None      # [b, L] slots of each sequence's keys (whole pages)
     q_index: torch.Tensor            # [b, Q] group token row per (sequence, query); Tg = padding
     out_index: torch.Tensor | None   # [Tg] output row per token (None: identity)
-    mask: torch.Tensor               # [b, 1, Q, L]
+    mask: torch.Tensor | None        # [b, 1, Q, L]
     plan: ChunkPlan | None           # the CPU bfloat16 decode/verify layout, made once here
+                                     # (gather and mask may be None when there is a plan)
 
 
 def _query_class(n: int) -> int:
@@ -106,10 +108,13 @@ class PagedAttention:
         num_new: Sequence[int],
         page_size: int,
         scale: float,
+        one_group: bool = False,
     ) -> PagedAttention:
         """Sequence b has `ctx_lens[b]` tokens of context whose KV lives in the pages
         `page_tables[b]`; its last `num_new[b]` tokens are this forward's queries (laid out in
-        batch order). Their K/V is stored by `attend` before attention runs."""
+        batch order). Their K/V is stored by `attend` before attention runs. one_group: all
+        sequences in one kernel call (decode rows padded to the verify blocks' length), as the
+        compiled forward takes them (engine.compiled)."""
         device = k_caches[0].device
         n_tokens = sum(num_new)
         first = [0]
@@ -117,7 +122,7 @@ class PagedAttention:
             first.append(first[-1] + n)
         classes: dict[int, list[int]] = {}
         for b, n in enumerate(num_new):
-            classes.setdefault(_query_class(n), []).append(b)
+            classes.setdefault(0 if one_group else _query_class(n), []).append(b)
         slot_mapping = torch.empty(n_tokens, dtype=torch.long)
         groups = []
         for members in classes.values():
@@ -129,6 +134,18 @@ class PagedAttention:
             groups.append(group)
         return cls(k_caches=k_caches, v_caches=v_caches, slot_mapping=slot_mapping.to(device),
                    groups=groups, scale=scale)
+
+    @classmethod
+    def from_plan(
+        cls, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor, q_index: torch.Tensor, out_index: torch.Tensor,
+        plan: ChunkPlan, scale: float,
+    ) -> PagedAttention:
+        """One group given by its tensors alone (what a compiled forward is traced over)."""
+        group = PagedGroup(rows=None, gather=None, q_index=q_index, out_index=out_index,
+                           mask=None, plan=plan)
+        return cls(k_caches=k_caches, v_caches=v_caches, slot_mapping=slot_mapping,
+                   groups=[group], scale=scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
@@ -173,7 +190,7 @@ def _build_group(
         out_index = flat[:n_tokens].to(device)
     plan = None
     if device.type == "cpu" and cache.dtype == torch.bfloat16 and max_q <= INVARIANT_MAX_QUERIES:
-        plan = chunk_plan(gather, mask[:, None], max_q, cache.shape[1], bool(q_valid.all()))
+        plan = chunk_plan(gather, mask[:, None], max_q, cache.shape[1])
     group = PagedGroup(rows=rows.to(device), gather=gather.to(device),
                        q_index=q_index.to(device), out_index=out_index,
                        mask=mask[:, None].to(device), plan=plan)

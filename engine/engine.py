@@ -20,7 +20,7 @@ import torch
 from .config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
 from .constraint import TokenConstraint, masked, propose, settle
 from .errors import ContextLengthError, RequestError
-from .fastpath import prepare
+from .fastpath import Prepared, prepare
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
 from .models.dflash import DFlashDraftModel, load_drafter
@@ -89,16 +89,26 @@ class Engine:
         spec: SpecConfig = SpecConfig(),
         fast_path: bool = True,
         quantize: str | None = None,
+        compile: bool | None = None,
     ):
         """fast_path: prepare the models for inference on this machine, in place (engine.fastpath:
-        the same numbers, faster; the models stay usable for inference only); False keeps them
-        as given. quantize="int4": int4 weights for the target's layers (CPU, bfloat16; other
-        numbers than the checkpoint's, so only when asked for)."""
+        faster; the models stay usable for inference only); False keeps them as given.
+        compile: with the fast path on CPU in bfloat16, compile the decode/verify forward ahead
+        of time (engine.compiled; cached on disk, so ~40 s once per model and machine at 11m;
+        None: unless $AGENTFLASH_COMPILE=0). quantize="int4": int4 weights for the target's
+        layers (CPU, bfloat16; other numbers than the checkpoint's, so only when asked for)."""
         cfg = model.config
         if quantize is not None and not fast_path:
             raise ValueError("quantize needs the fast path (fast_path=True)")
         t0 = time.perf_counter()
-        self.fast_paths = prepare(model, drafter, quantize) if fast_path else []
+        block_size = 1
+        if drafter is not None:
+            block_size = spec.block_size or drafter.config.block_size
+            SpecConfig(block_size)  # validates a checkpoint's own block size too
+        prepared = (prepare(model, drafter, quantize, compile, block_size, cache.page_size)
+                    if fast_path else Prepared([]))
+        self.fast_paths = prepared.applied
+        self.fast_path_seconds = prepared.seconds
         self.fast_path_s = time.perf_counter() - t0  # preparing the models (once, at start)
         self.model = model
         self.config = cfg
@@ -119,12 +129,12 @@ class Engine:
         draft_layers = None
         if drafter is not None:
             dcfg = drafter.config
-            self.block_size = spec.block_size or dcfg.block_size
-            SpecConfig(self.block_size)  # validates a checkpoint's own block size too
+            self.block_size = block_size
             draft_layers = self.pool.add_layers(
                 [(dcfg.num_key_value_heads, dcfg.head_dim)] * dcfg.num_hidden_layers
             )
-        self.runner = ModelRunner(model, self.pool, self.kv, drafter, draft_layers)
+        self.runner = ModelRunner(model, self.pool, self.kv, drafter, draft_layers,
+                                  prepared.compiled, prepared.compiled_draft)
         self.detokenize = detokenize
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.counters = EngineCounters()

@@ -5,12 +5,22 @@ dtype, what the CPU and the torch build offer). `Engine` runs `prepare` on its t
 when it is made, so every front end (`Engine.from_dir`, `Runtime.load`, `agentflash generate`)
 gets the fast path with no flag; `Engine(..., fast_path=False)` keeps the models as loaded.
 
-Every transformation here keeps the numbers bit for bit: greedy output, speculative or not, is
-the same with and without it (tests/test_packed.py, and the engine tests run through it).
+Packing keeps the numbers bit for bit: greedy output, speculative or not, is the same with and
+without it (tests/test_packed.py). The compiled step does not (Inductor fuses casts), but it
+serves every decode and verify row, so speculative output equals plain output with it too
+(tests/test_compiled.py).
 
 - `onednn-packed-bf16` (CPU, bfloat16, oneDNN with bf16 support): every linear layer's weight is
   reordered once into oneDNN's blocked layout (engine.models.packed); the tied lm_head gets a
-  packed copy of the embedding matrix (the embedding lookup keeps the plain one).
+  packed copy of the embedding matrix (the embedding lookup keeps the plain one). With the
+  compiled step, only the head and the drafter are packed.
+
+- `aoti-compiled-step` (CPU, bfloat16, AOTInductor; on by default, `compile=False` or
+  $AGENTFLASH_COMPILE=0 turn it off): the decode and verify forwards are compiled ahead of time
+  into one program (engine.compiled), cached on disk. Its numbers are Inductor's, not eager's bit
+  for bit, but one program serves every decode and verify row, so greedy speculative output still
+  equals plain output. Where compiling fails (no C++ compiler, an unsupported op), a warning says
+  why and the engine runs eager.
 
 One transformation changes the numbers and so runs only when asked for (`quantize="int4"`):
 - `int4-weights` (CPU, bfloat16): the target's decoder linears become group-wise int4
@@ -22,12 +32,15 @@ One transformation changes the numbers and so runs only when asked for (`quantiz
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
+from . import compiled as compiled_step
+from .compiled import CompiledDraft, CompiledForward
 from .models.dflash import DFlashDraftModel
 from .models.packed import PackedLinear, pack_linears, packing_available
 from .models.quantized import int4_available, quantize_linears_int4
@@ -43,7 +56,7 @@ QUANTIZATIONS = ("int4",)
 class FastPath:
     name: str
     applies: Callable[[CausalLM, str | None], bool]   # (model, quantize)
-    apply: Callable[[CausalLM, DFlashDraftModel | None], None]
+    apply: Callable[[CausalLM, DFlashDraftModel | None, bool], None]  # (.., target layers too)
 
 
 def _cpu_bf16(model: CausalLM) -> bool:
@@ -51,7 +64,7 @@ def _cpu_bf16(model: CausalLM) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
 
 
-def _int4(model: CausalLM, drafter: DFlashDraftModel | None) -> None:
+def _int4(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> None:
     quantize_linears_int4(model.layers)
 
 
@@ -59,11 +72,14 @@ def _packs(model: CausalLM, quantize: str | None) -> bool:
     return _cpu_bf16(model) and packing_available()
 
 
-def _pack(model: CausalLM, drafter: DFlashDraftModel | None) -> None:
+def _pack(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> None:
     if model.lm_head is None:  # tied: the head packs a copy, the embedding keeps its matrix
         model.lm_head = PackedLinear(model.embed_tokens.weight, None)
-    pack_linears(model)
-    if drafter is not None:
+    elif isinstance(model.lm_head, nn.Linear):
+        model.lm_head = PackedLinear.from_linear(model.lm_head)
+    if layers:
+        pack_linears(model.layers)
+    if drafter is not None and layers:
         if drafter.context_kv_proj is None:
             drafter.context_kv_proj = nn.ModuleList(
                 _kv_rows(layer.self_attn) for layer in drafter.layers)
@@ -84,11 +100,22 @@ FAST_PATHS: list[FastPath] = [  # in order: int4 first, packing takes what int4 
 ]
 
 
+@dataclass(frozen=True)
+class Prepared:
+    applied: list[str]                       # names of the transformations applied, in order
+    compiled: CompiledForward | None = None  # the compiled decode/verify forward, if made
+    compiled_draft: CompiledDraft | None = None  # the drafter's, if made
+    seconds: dict[str, float] = field(default_factory=dict)  # time each one took
+
+
 def prepare(model: CausalLM, drafter: DFlashDraftModel | None = None,
-            quantize: str | None = None) -> list[str]:
+            quantize: str | None = None, compile: bool | None = None,
+            block_size: int = 16, page_size: int = 16) -> Prepared:
     """Apply, in place, every registered transformation that applies to `model` (and its
-    drafter); returns their names. Models stay usable for inference only. quantize="int4"
-    asks for int4 weights (CPU, bfloat16 only: ValueError elsewhere)."""
+    drafter). Models stay usable for inference only. quantize="int4" asks for int4 weights
+    (CPU, bfloat16 only: ValueError elsewhere). compile: build (or load) the compiled
+    decode/verify forward and the drafter's forward for `block_size` (None: unless
+    $AGENTFLASH_COMPILE=0)."""
     if quantize is not None:
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize={quantize!r}: choose from {QUANTIZATIONS} or None")
@@ -99,10 +126,46 @@ def prepare(model: CausalLM, drafter: DFlashDraftModel | None = None,
     if _cpu_bf16(model) and not packing_available():
         log.warning("oneDNN bfloat16 matmuls with prepacked weights are not available in this "
                     "torch build or on this CPU: linear layers run unpacked (slower)")
-    applied = []
+    applied: list[str] = []
+    seconds: dict[str, float] = {}
+    compiled = compiled_draft = None
+    if compile is None:
+        compile = compiled_step.compile_enabled()
     with torch.inference_mode():
         for path in FAST_PATHS:
+            if path.name == "onednn-packed-bf16" and compile and compiled_step.applies(model):
+                # Compiled before packing: export traces plain linears (freezing packs its own
+                # copy). The compiled models' linears then stay plain: only prefill runs the
+                # target's eager, where oneDNN's per-call reorder is small beside a matmul of
+                # many rows.
+                t0 = time.perf_counter()
+                compiled, compiled_draft = _compile(model, drafter, block_size, page_size)
+                if compiled is not None:
+                    applied.append("aoti-compiled-step")
+                    seconds["aoti-compiled-step"] = time.perf_counter() - t0
             if path.applies(model, quantize):
-                path.apply(model, drafter)
+                t0 = time.perf_counter()
+                path.apply(model, drafter, compiled is None)
                 applied.append(path.name)
-    return applied
+                seconds[path.name] = time.perf_counter() - t0
+    return Prepared(applied, compiled, compiled_draft, seconds)
+
+
+def _compile(model: CausalLM, drafter: DFlashDraftModel | None, block_size: int,
+             page_size: int) -> tuple[CompiledForward | None, CompiledDraft | None]:
+    """The target's program, then the drafter's; where one cannot be made, its forward runs
+    eager (with a warning saying why)."""
+    step = _try(lambda: CompiledForward.build(model, drafter, page_size), "decode step")
+    if step is None or drafter is None:
+        return step, None
+    return step, _try(lambda: CompiledDraft.build(model, drafter, block_size, page_size),
+                      "drafter forward")
+
+
+def _try(build: Callable, what: str):
+    try:
+        return build()
+    except Exception as error:  # a missing compiler or an op AOTInductor cannot take
+        log.warning("the compiled %s is unavailable, running it eager (slower): %s: %s", what,
+                    type(error).__name__, (str(error).strip() or "?").splitlines()[0][:300])
+        return None

@@ -5,6 +5,10 @@ With a DFlash drafter attached, every target forward also captures the hidden st
 drafter's target layers and materialises the drafter's context K/V for the fed positions into
 the drafter's layers of the same paged pool (same page ids and slots as the target KV), so a
 prefix-cache hit restores the drafter's warm state along with the target's.
+
+With a compiled forward (engine.compiled), every decode row and verify block runs through it; a
+forward that mixes them with prefill chunks runs as two, so a sequence's rows never depend on
+what else was scheduled with them.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from typing import NamedTuple
 
 import torch
 
+from agentflash.kernels.reference import INVARIANT_MAX_QUERIES
+
 from .attention import PagedAttention, PagedDraftAttention
+from .compiled import CompiledDraft, CompiledForward, step_args
 from .kv.manager import KVManager
 from .kv.pool import KVPool
 from .models.dflash import DFlashDraftModel
@@ -30,8 +37,11 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, pool: KVPool, kv: KVManager,
         drafter: DFlashDraftModel | None = None, draft_layers: range | None = None,
+        compiled: CompiledForward | None = None, compiled_draft: CompiledDraft | None = None,
     ):
         self.model = model
+        self.compiled = compiled
+        self.compiled_draft = compiled_draft
         self.pool = pool
         self.kv = kv
         self.drafter = drafter
@@ -43,6 +53,25 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, items: list[BatchItem]) -> RunnerOutput:
         """One target forward over all items (prefill chunks, decode tokens, verify blocks)."""
+        if self.compiled is None:
+            return self._forward(items, False)
+        small = [i for i, item in enumerate(items) if item.num_tokens <= INVARIANT_MAX_QUERIES]
+        if len(small) == len(items):
+            return self._forward(items, True)
+        if not small:
+            return self._forward(items, False)
+        large = [i for i in range(len(items)) if i not in set(small)]
+        parts = [self._forward([items[i] for i in small], True),
+                 self._forward([items[i] for i in large], False)]
+        rows: list[tuple[int, int]] = [(0, 0)] * len(items)
+        offset = 0
+        for order, part in zip((small, large), parts):
+            for i, (first, count) in zip(order, part.rows):
+                rows[i] = (first + offset, count)
+            offset += part.logits.shape[0]
+        return RunnerOutput(torch.cat([p.logits for p in parts]), rows)
+
+    def _forward(self, items: list[BatchItem], compiled: bool) -> RunnerOutput:
         ids: list[int] = []
         positions: list[int] = []
         page_tables, ctx_lens, num_new = [], [], []
@@ -61,15 +90,24 @@ class ModelRunner:
             num_new.append(n)
         attn = PagedAttention.build(
             self.pool.k[: self.num_layers], self.pool.v[: self.num_layers], page_tables, ctx_lens,
-            num_new, self.kv.page_size, self.model.attention_scale,
+            num_new, self.kv.page_size, self.model.attention_scale, one_group=compiled,
         )
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        out = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), pos, attn,
-                         self.capture)
-        if self.drafter is not None:
-            self._store_draft_context(out.captured, pos, attn.slot_mapping)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if compiled:  # with a drafter, the program stores its context K/V too
+            assert self.compiled is not None
+            hidden = self.compiled(step_args(input_ids, pos, attn), attn.k_caches,
+                                   attn.v_caches, self._draft_caches(self.pool.k),
+                                   self._draft_caches(self.pool.v))
+        else:
+            hidden, captured = self.model(input_ids, pos, attn, self.capture)
+            if self.drafter is not None:
+                self._store_draft_context(captured, pos, attn.slot_mapping)
         index = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return RunnerOutput(self.model.logits(out.hidden[index]), rows)
+        return RunnerOutput(self.model.logits(hidden[index]), rows)
+
+    def _draft_caches(self, caches: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [caches[i] for i in self.draft_layers] if self.draft_layers is not None else []
 
     def _store_draft_context(
         self, captured: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
@@ -97,10 +135,15 @@ class ModelRunner:
             page_tables.append(seq.kv.pages)
             ctx_lens.append(start)
         attn = PagedDraftAttention.build(
-            [self.pool.k[i] for i in self.draft_layers], [self.pool.v[i] for i in self.draft_layers],
+            self._draft_caches(self.pool.k), self._draft_caches(self.pool.v),
             page_tables, ctx_lens, block_size, self.kv.page_size, self.drafter,
         )
-        block = self.drafter.embed_block(self.model, torch.tensor(ids, device=self.device))
-        hidden = self.drafter(block, torch.tensor(positions, device=self.device), attn)
+        block_ids = torch.tensor(ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        if self.compiled_draft is not None:
+            hidden = self.compiled_draft(block_ids, pos, attn.gather, attn.ctx_lens,
+                                         attn.k_caches, attn.v_caches)
+        else:
+            hidden = self.drafter(self.drafter.embed_block(self.model, block_ids), pos, attn)
         hidden = hidden.view(len(items), block_size, -1)[:, 1 : 1 + drafts]
         return self.drafter.logits(self.model, hidden)

@@ -18,20 +18,18 @@ KEY_CHUNK = 256
 
 class ChunkPlan(NamedTuple):
     """The layout `_chunked_attention` reads, built once per forward and shared by every layer
-    (all layers have the same page tables, lengths and KV head count)."""
+    (all layers have the same page tables, lengths and KV head count). Tensors only, so a
+    compiled forward takes it as input (engine.compiled)."""
 
-    kv_index: torch.Tensor          # [B*Hkv*n*C] rows of a cache viewed as [S*Hkv, D]: each
-                                    # sequence's keys head by head, padded to whole chunks
-    chunks: int                     # n
-    first: int                      # first chunk that some query does not see whole
-    hidden: torch.Tensor | None     # [B, 1, n-first, Q, 1, C] True: key hidden from query
-    dense_queries: bool             # q_index is the identity (no padding): q is [B*Q] as is
+    kv_index: torch.Tensor   # [B, Hkv, n, C] rows of a cache viewed as [S*Hkv, D]: each
+                             # sequence's keys head by head, padded to whole chunks of C keys
+    visible: torch.Tensor    # [B, n, Q, C] True: query may see the key
 
 
-def chunk_plan(gather: torch.Tensor, mask: torch.Tensor | None, q_len: int, n_kv: int,
-               dense_queries: bool = False) -> ChunkPlan:
+def chunk_plan(gather: torch.Tensor, mask: torch.Tensor | None, q_len: int, n_kv: int
+               ) -> ChunkPlan:
     """The ChunkPlan of `paged_attention`'s gather [B, L] and mask [B, 1, Q, L] (None: all
-    visible) for caches with `n_kv` KV heads; dense_queries as the caller knows it."""
+    visible) for caches with `n_kv` KV heads."""
     batch, keys = gather.shape
     chunks = -(-keys // KEY_CHUNK)
     pad = chunks * KEY_CHUNK - keys
@@ -40,16 +38,10 @@ def chunk_plan(gather: torch.Tensor, mask: torch.Tensor | None, q_len: int, n_kv
     if pad:
         gather = F.pad(gather, (0, pad), value=0)
         visible = F.pad(visible, (0, pad), value=False)
-    visible = visible.view(batch, q_len, chunks, KEY_CHUNK)
-    # Only chunks some query does not see whole are masked (masking leaves seen scores as they
-    # are, so which chunks get masked changes no bit of a query's result).
-    seen = visible.all(-1).all(1).all(0).tolist()
-    first = seen.index(False) if False in seen else chunks
-    hidden = (~visible[:, :, first:].transpose(1, 2)[:, None, :, :, None]
-              if first < chunks else None)
+    visible = visible.view(batch, q_len, chunks, KEY_CHUNK).transpose(1, 2).contiguous()
     heads = torch.arange(n_kv, device=gather.device)
-    kv_index = (gather[:, None, :] * n_kv + heads[None, :, None]).reshape(-1)
-    return ChunkPlan(kv_index, chunks, first, hidden, dense_queries)
+    kv_index = gather.view(batch, 1, chunks, KEY_CHUNK) * n_kv + heads[None, :, None, None]
+    return ChunkPlan(kv_index, visible)
 
 
 def paged_attention(
@@ -83,10 +75,7 @@ def paged_attention(
     """
     n_tokens, n_heads, head_dim = q.shape
     batch, q_len = q_index.shape
-    if plan is not None and plan.dense_queries:
-        q_pad = q.view(batch, q_len, n_heads, head_dim)
-    else:
-        q_pad = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[q_index]  # [B, Q, Hq, D]
+    q_pad = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[q_index]  # [B, Q, Hq, D]
     if q_len <= INVARIANT_MAX_QUERIES and q.dtype == torch.bfloat16:
         if plan is None:
             plan = chunk_plan(gather, mask, q_len, k_cache.shape[1])
@@ -129,28 +118,27 @@ def _chunked_attention(
     Returns [B, Q, Hq, D].
     """
     batch, q_len, n_heads, head_dim = q.shape
-    n_kv = k_cache.shape[1]
+    _, n_kv, chunks, _ = plan.kv_index.shape
     group = n_heads // n_kv
-    chunks, first = plan.chunks, plan.first
     shape = (batch, n_kv, chunks, KEY_CHUNK, head_dim)
-    k = k_cache.view(-1, head_dim).index_select(0, plan.kv_index).view(shape)
-    v = v_cache.view(-1, head_dim).index_select(0, plan.kv_index).view(shape)
+    index = plan.kv_index.reshape(-1)
+    k = k_cache.view(-1, head_dim).index_select(0, index).view(shape)
+    v = v_cache.view(-1, head_dim).index_select(0, index).view(shape)
     qg = q.view(batch, q_len, n_kv, group, head_dim).transpose(1, 2)
     qg = qg.reshape(batch, n_kv, 1, q_len * group, head_dim)           # [B, Hkv, 1, Q*G, D]
     s = torch.matmul(qg, k.transpose(-1, -2)).float()                  # [B, Hkv, n, Q*G, C]
-    s = s.view(batch, n_kv, chunks, q_len, group, KEY_CHUNK).mul_(scale)
-    if plan.hidden is not None:
-        s[:, :, first:].masked_fill_(plan.hidden, float("-inf"))
-    top = s.amax(dim=(2, 5), keepdim=True)                             # exact in any order
-    e = s.sub_(top).exp_()   # numel a multiple of KEY_CHUNK: every element takes the vector exp
+    s = s.view(batch, n_kv, chunks, q_len, group, KEY_CHUNK) * scale
+    s = s.masked_fill(~plan.visible[:, None, :, :, None, :], float("-inf"))
+    # the row's maximum, chunk by chunk then over chunks (exact in any order; a contiguous
+    # reduction first is what a compiler vectorises well)
+    top = s.amax(-1, keepdim=True).amax(2, keepdim=True)
+    e = (s - top).exp()      # numel a multiple of KEY_CHUNK: every element takes the vector exp
     total = e.sum(-1, keepdim=True)                                    # per chunk, fixed length
     e = e.view(batch, n_kv, chunks, q_len * group, KEY_CHUNK).to(v.dtype)
     o = torch.matmul(e, v).float()                                     # [B, Hkv, n, Q*G, D]
     o = torch.cat([o.view(batch, n_kv, chunks, q_len, group, head_dim), total], -1)
-    # Chunks add up one by one, in order: a reduction kernel's order depends on the shape.
-    acc = o[:, :, 0]
-    for c in range(1, chunks):
-        acc = acc + o[:, :, c]
+    # Chunks add up one by one, in order (a scan): a sum's order would depend on the shape.
+    acc = o.cumsum(2)[:, :, -1]
     out = acc[..., :head_dim] / acc[..., head_dim:]                   # [B, Hkv, Q, G, D]
     return out.to(q.dtype).permute(0, 2, 1, 3, 4).reshape(batch, q_len, n_heads, head_dim)
 

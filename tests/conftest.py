@@ -16,6 +16,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines do not compile their decode step unless a test asks (compile=True): a compile takes
+# ~35 s per model, and most tests build engines on fresh random models. Compiled programs go to
+# one directory per test session (tests/test_compiled.py and the bf16 equality tests use it).
+os.environ["AGENTFLASH_COMPILE"] = "0"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_cache(tmp_path_factory):
+    os.environ["AGENTFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("agentflash-cache"))
+    yield
+
 TINY = dict(
     vocab_size=128,
     hidden_size=64,

@@ -139,18 +139,23 @@ def bf16_gemm_rows_are_independent() -> bool:
 
 @pytest.mark.skipif(not bf16_gemm_rows_are_independent(),
                     reason="this CPU's bf16 GEMMs depend on the row count: equal to rounding only")
-def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
     """bfloat16 is the CPU default where bf16 is native; its decode/verify attention is
     row-invariant (kernels.reference._chunked_attention), so outputs match to the bit: with
-    full blocks, shorter ones, and "auto", which mixes verify lengths and plain steps."""
+    full blocks, shorter ones, and "auto", which mixes verify lengths and plain steps; eager and
+    through the compiled step (engine.compiled), the prompts batched together so that decode
+    rows, verify blocks and prefill chunks share steps."""
     target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
     prompts = [prompt_ids(tokenizer, c) for c in conversations()]
-    plain = [c.output_ids for c in run(Engine(target), prompts, 96)]
-    auto = Engine(target, drafter=drafter, spec=SpecConfig(16))
+    plain_engine = Engine(target, compile=compile)
+    assert ("aoti-compiled-step" in plain_engine.fast_paths) == compile
+    plain = [c.output_ids for c in run(plain_engine, prompts, 96)]
+    auto = Engine(target, drafter=drafter, spec=SpecConfig(16), compile=compile)
     auto.spec = SpecConfig(16, cost=auto.measure_step_cost())
-    for engine in (Engine(target, drafter=drafter, spec=SpecConfig(16)),
-                   Engine(target, drafter=drafter, spec=SpecConfig(5)), auto):
+    for engine in (Engine(target, drafter=drafter, spec=SpecConfig(16), compile=compile),
+                   Engine(target, drafter=drafter, spec=SpecConfig(5), compile=compile), auto):
         assert [c.output_ids for c in run(engine, prompts, 96)] == plain
 
 

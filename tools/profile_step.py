@@ -3,6 +3,7 @@ costs in plain decode steps (c(B)), at batch 1 after a context of --context toke
 
     python tools/profile_step.py                                   # the embedded model
     python tools/profile_step.py --model /tmp/qwen3-0.6b-shaped    # tools/make_random_model.py
+    python tools/profile_step.py --no-compile                      # eager forwards, packed
     python tools/profile_step.py --no-fast-path                    # models as loaded (eager)
 
 For B = 1 (a decode step) and B = --verify (default 16) it profiles the target forward with
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--verify", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-fast-path", action="store_true")
+    ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-draft", action="store_true")
     args = ap.parse_args()
 
@@ -96,7 +98,8 @@ def main() -> None:
         weight_bytes += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     pages = -(-(args.context + 64) // 16) + 8
     engine = Engine(model, CacheConfig(16, pages), drafter=drafter,
-                    fast_path=not args.no_fast_path, max_model_len=args.context + 64)
+                    fast_path=not args.no_fast_path, compile=not args.no_compile,
+                    max_model_len=args.context + 64)
     prompt = [(7 * i + 11) % model.config.vocab_size for i in range(args.context)]
     seq_id = engine.submit(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True),
                            speculative=False)

@@ -1,0 +1,330 @@
+"""The decode/verify forward and the drafter's forward compiled ahead of time (AOTInductor).
+
+At agentflash-11m an eager decode step is mostly Python and dispatch: ~2,000 aten calls around 25
+small matmuls (docs/performance.md). `CompiledForward` exports the target's whole forward
+(embedding, every layer with its paged attention and K/V store, the final norm; with a drafter,
+the drafter's context K/V of the fed positions stored too) once with `torch.export`, over dynamic
+token, sequence, query and key-chunk counts, and compiles it with AOTInductor (freezing: weights
+prepacked for oneDNN; fused norm / RoPE / SiLU / softmax kernels; a C++ wrapper).
+`CompiledDraft` does the same for the DFlash drafter's block forward. Packages are cached on disk
+under a key of everything they depend on (weights, configs, block size, torch version, CPU
+capability, thread count, this package's model code), so a compile (~35 s for the 11m target on
+2 cores) happens once per machine and a later engine loads it in milliseconds.
+
+The target program runs forwards whose sequences each bring at most `INVARIANT_MAX_QUERIES` new
+tokens (decode rows and verify blocks; prefill chunks stay eager). One program serves every such
+shape, so a row's result does not depend on how many rows share the forward: a verify block's
+rows are bitwise the plain decode steps' rows (tests/test_compiled.py), and greedy speculative
+output equals plain output on this path as on the eager one. The compiled numbers are not the
+eager ones bit for bit (Inductor fuses casts), so the engine takes every decode and verify row
+through it once it has it. (The drafter's numbers only decide which drafts are proposed.)
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from agentflash.kernels import reference
+
+from . import attention as attention_module
+from .attention import PagedAttention, PagedDraftAttention
+from .models import dflash, layers, qwen3, rope
+from .models.dflash import DFlashDraftModel
+from .models.qwen3 import CausalLM
+
+log = logging.getLogger(__name__)
+
+_SOURCES = (reference, attention_module, dflash, layers, qwen3, rope,
+            sys.modules[__name__])
+"""Modules whose code the compiled program is made of: their source is part of the cache key."""
+
+
+def cache_dir() -> Path:
+    """Where compiled programs live: $AGENTFLASH_CACHE_DIR/compiled, else the user cache."""
+    root = os.environ.get("AGENTFLASH_CACHE_DIR")
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                            "agentflash")
+    return Path(root) / "compiled"
+
+
+def compile_enabled() -> bool:
+    """$AGENTFLASH_COMPILE=0 turns the compiled step off where an engine is not told."""
+    return os.environ.get("AGENTFLASH_COMPILE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def applies(model: CausalLM) -> bool:
+    """CPU, bfloat16 (the row-invariant attention path) and a torch with AOTInductor."""
+    weight = model.embed_tokens.weight
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and hasattr(torch._inductor, "aoti_compile_and_package"))
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """The tensors of one compiled forward (built by `step_args` from the eager metadata)."""
+
+    ids: torch.Tensor            # [T]
+    positions: torch.Tensor      # [T]
+    slot_mapping: torch.Tensor   # [T] where each new token's K/V goes
+    q_index: torch.Tensor        # [B, Q] token row per (sequence, query); T means padding
+    out_index: torch.Tensor      # [T] row of the [B*Q] attention output holding each token
+    kv_index: torch.Tensor       # [B, Hkv, n, C] ChunkPlan.kv_index
+    visible: torch.Tensor        # [B, n, Q, C] ChunkPlan.visible
+
+
+def step_args(ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> StepArgs:
+    """The compiled forward's inputs for a forward whose metadata `attn` was built with
+    `one_group=True` on CPU in bfloat16 (so it has a ChunkPlan)."""
+    (group,) = attn.groups
+    assert group.plan is not None
+    out_index = group.out_index
+    if out_index is None:
+        out_index = torch.arange(ids.shape[0], device=ids.device)
+    return StepArgs(ids, positions, attn.slot_mapping, group.q_index, out_index,
+                    group.plan.kv_index, group.plan.visible)
+
+
+class _Step(nn.Module):
+    """What is exported for the target: its forward over one group of paged attention, then,
+    with a drafter, the drafter's context K/V of the fed positions stored into its caches (the
+    runner's `_store_draft_context`, folded in)."""
+
+    def __init__(self, model: CausalLM, drafter: DFlashDraftModel | None) -> None:
+        super().__init__()
+        self.model = _without_head(model)
+        self.drafter = drafter
+        self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+
+    def forward(self, ids, positions, slot_mapping, q_index, out_index, kv_index, visible,
+                k_caches, v_caches, draft_k_caches, draft_v_caches):
+        attn = PagedAttention.from_plan(
+            k_caches, v_caches, slot_mapping, q_index, out_index,
+            reference.ChunkPlan(kv_index, visible), self.model.attention_scale)
+        out = self.model(ids, positions, attn, self.capture)
+        if self.drafter is not None:
+            ctx = self.drafter.context_features(out.captured)
+            for i, (k, v) in enumerate(zip(draft_k_caches, draft_v_caches)):
+                self.drafter.store_context_kv(i, ctx, positions, slot_mapping, k, v)
+        return out.hidden
+
+
+class _Draft(nn.Module):
+    """What is exported for the drafter: N blocks of B tokens embedded, through its layers over
+    each sequence's cached context K/V, to the final norm (the head stays eager)."""
+
+    def __init__(self, model: CausalLM, drafter: DFlashDraftModel, block_size: int) -> None:
+        super().__init__()
+        self.embed = model.embed_tokens
+        self.drafter = drafter
+        self.block_size = block_size
+
+    def forward(self, ids, positions, gather, ctx_lens, k_caches, v_caches):
+        d = self.drafter
+        attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
+                                   d.attention_scale,
+                                   [d.layer_kind(i) for i in range(len(d.layers))])
+        h = self.embed(ids)
+        scale = d.config.input_embedding_scale
+        return d(h if scale == 1.0 else h * scale, positions, attn)
+
+
+def _without_head(model: CausalLM) -> CausalLM:
+    """The model sharing every module but its head: the program ends at the final norm, and a
+    packed head (engine.fastpath, an earlier engine on the same model) cannot be traced."""
+    trunk = copy.copy(model)
+    trunk._modules = {**model._modules, "lm_head": None}
+    return trunk
+
+
+class CompiledProgram:
+    """A loaded AOTInductor package: built on first use, then loaded from the disk cache."""
+
+    def __init__(self, run: Callable, path: Path, compiled: bool, seconds: float) -> None:
+        self.run = run
+        self.path = path
+        self.compiled = compiled   # False: loaded from the disk cache
+        self.seconds = seconds     # compiling (or loading) it
+
+    @classmethod
+    def load_or_build(cls, name: str, key: str, make: Callable[[], tuple],
+                      directory: Path | None = None) -> CompiledProgram:
+        """`make()` gives (module, example inputs, dynamic shapes) to export when the package
+        `name-key.pt2` is not in the cache yet."""
+        t0 = time.perf_counter()
+        path = (directory or cache_dir()) / f"{name}-{key}.pt2"
+        compiled = not path.exists()
+        if compiled:
+            log.warning("compiling the %s for this CPU (once; cached in %s)", name, path.parent)
+            _compile(make, path)
+        run = torch._inductor.aoti_load_package(str(path))
+        seconds = time.perf_counter() - t0
+        log.info("%s %s in %.1f s: %s", name, "compiled" if compiled else "loaded", seconds, path)
+        return cls(run, path, compiled, seconds)
+
+
+class CompiledForward:
+    """The target's decode/verify forward: call it with `StepArgs`, the target's per-layer
+    caches and the drafter's (with a drafter, whose context K/V it stores); returns the
+    hidden states [T, H] after the final norm."""
+
+    def __init__(self, program: CompiledProgram) -> None:
+        self.program = program
+
+    @classmethod
+    def build(cls, model: CausalLM, drafter: DFlashDraftModel | None = None,
+              page_size: int = 16, directory: Path | None = None) -> CompiledForward:
+        """Load the program for `model` (and `drafter`'s context store) from the cache,
+        compiling it first when it is not there. The models must hold plain `nn.Linear`
+        layers (before engine.fastpath packs them: freezing packs its own copy)."""
+        key = cache_key(model, drafter)
+        return cls(CompiledProgram.load_or_build(
+            "step", key, lambda: _step_export(model, drafter, page_size), directory))
+
+    def __call__(self, args: StepArgs, k_caches: Sequence[torch.Tensor],
+                 v_caches: Sequence[torch.Tensor], draft_k_caches: Sequence[torch.Tensor] = (),
+                 draft_v_caches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        return self.program.run(
+            args.ids, args.positions, args.slot_mapping, args.q_index, args.out_index,
+            args.kv_index, args.visible, list(k_caches), list(v_caches), list(draft_k_caches),
+            list(draft_v_caches))
+
+
+class CompiledDraft:
+    """The drafter's forward for one block size: call it with the blocks' token ids [N*B],
+    positions [N*B], context slots [N, L], context lengths [N] and the drafter's caches;
+    returns hidden states [N*B, H] after its final norm."""
+
+    def __init__(self, program: CompiledProgram) -> None:
+        self.program = program
+
+    @classmethod
+    def build(cls, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
+              page_size: int = 16, directory: Path | None = None) -> CompiledDraft:
+        key = cache_key(model, drafter, block_size)
+        return cls(CompiledProgram.load_or_build(
+            "draft", key, lambda: _draft_export(model, drafter, block_size, page_size),
+            directory))
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, gather: torch.Tensor,
+                 ctx_lens: torch.Tensor, k_caches: Sequence[torch.Tensor],
+                 v_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self.program.run(ids, positions, gather, ctx_lens, list(k_caches),
+                                list(v_caches))
+
+
+def cache_key(model: CausalLM, drafter: DFlashDraftModel | None = None, *extra) -> str:
+    """A digest of everything a compiled program depends on."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (torch.__version__, torch.backends.cpu.get_cpu_capability(),
+                 torch.get_num_threads(), repr(model.config), extra,
+                 None if drafter is None else repr(drafter.config)):
+        h.update(repr(part).encode())
+    for module in _SOURCES:
+        h.update(inspect.getsource(module).encode())
+    states = [model.state_dict()] + ([] if drafter is None else [drafter.state_dict()])
+    for state in states:
+        for name, tensor in state.items():
+            if name.startswith(("lm_head.", "context_kv_proj.")):
+                continue  # not in any program: the head and the packed K/V rows stay eager
+            h.update(name.encode())
+            h.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def _caches(pages: int, page_size: int, layers: int, heads: int, head_dim: int,
+            dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.zeros(pages * page_size, heads, head_dim, dtype=dtype) for _ in range(layers)]
+
+
+def _tables(ctx_lens: Sequence[int], page_size: int) -> list[list[int]]:
+    """Page tables of sequences laid out on consecutive pages."""
+    tables, first = [], 0
+    for n in ctx_lens:
+        pages = -(-n // page_size)
+        tables.append(list(range(first, first + pages)))
+        first += pages
+    return tables
+
+
+_PAGES = 160
+"""Pages of the example caches (the example sequences below need 134 of 16 tokens)."""
+
+
+def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: int) -> tuple:
+    """The target program's module, example inputs and dynamic shapes. Every dynamic size of
+    the example is distinct (export would tie equal ones together): 3 sequences of 1200 / 640 /
+    300 tokens bringing 4 / 2 / 1 new ones (T 7, B 3, Q 4, 5 key chunks)."""
+    cfg = model.config
+    kv = (cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+    k_caches = _caches(_PAGES, page_size, len(model.layers), *kv)
+    v_caches = _caches(_PAGES, page_size, len(model.layers), *kv)
+    draft_k: list[torch.Tensor] = []
+    draft_v: list[torch.Tensor] = []
+    if drafter is not None:
+        dcfg = drafter.config
+        dkv = (dcfg.num_key_value_heads, dcfg.head_dim, model.dtype)
+        draft_k = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
+        draft_v = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
+    ctx_lens, num_new = [1200, 640, 300], [4, 2, 1]
+    attn = PagedAttention.build(k_caches, v_caches, _tables(ctx_lens, page_size), ctx_lens,
+                                num_new, page_size, model.attention_scale, one_group=True)
+    positions = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx_lens, num_new)])
+    a = step_args(torch.zeros(sum(num_new), dtype=torch.long), positions, attn)
+    example = (a.ids, a.positions, a.slot_mapping, a.q_index, a.out_index, a.kv_index,
+               a.visible, k_caches, v_caches, draft_k, draft_v)
+    Dim = torch.export.Dim
+    tokens, seqs = Dim("tokens", min=1, max=1 << 16), Dim("seqs", min=1, max=1 << 12)
+    queries = Dim("queries", min=1, max=reference.INVARIANT_MAX_QUERIES)
+    chunks, slots = Dim("chunks", min=1, max=1 << 14), Dim("slots", min=page_size)
+    shapes = ({0: tokens}, {0: tokens}, {0: tokens}, {0: seqs, 1: queries}, {0: tokens},
+              {0: seqs, 2: chunks}, {0: seqs, 1: chunks, 2: queries},
+              [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches),
+              [{0: slots}] * len(draft_k), [{0: slots}] * len(draft_v))
+    return _Step(model, drafter), example, shapes
+
+
+def _draft_export(model: CausalLM, drafter: DFlashDraftModel, block_size: int,
+                  page_size: int) -> tuple:
+    """The drafter program's module, example inputs and dynamic shapes: 3 blocks over contexts
+    of 1200 / 640 / 300 tokens (context slots padded to 76 pages)."""
+    dcfg = drafter.config
+    dkv = (dcfg.num_key_value_heads, dcfg.head_dim, model.dtype)
+    k_caches = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
+    v_caches = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
+    ctx_lens = [1200, 640, 300]
+    attn = PagedDraftAttention.build(k_caches, v_caches, _tables(ctx_lens, page_size), ctx_lens,
+                                     block_size, page_size, drafter)
+    positions = torch.cat([torch.arange(c, c + block_size) for c in ctx_lens])
+    ids = torch.zeros(len(ctx_lens) * block_size, dtype=torch.long)
+    example = (ids, positions, attn.gather, attn.ctx_lens, k_caches, v_caches)
+    Dim = torch.export.Dim
+    seqs, keys = Dim("seqs", min=1, max=1 << 12), Dim("keys", min=1, max=1 << 20)
+    slots = Dim("slots", min=page_size)
+    shapes = ({0: seqs * block_size}, {0: seqs * block_size}, {0: seqs, 1: keys}, {0: seqs},
+              [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches))
+    return _Draft(model, drafter, block_size), example, shapes
+
+
+def _compile(make: Callable[[], tuple], path: Path) -> None:
+    # outside inference mode: export writes into the example caches, made here as normal tensors
+    with torch.inference_mode(False), torch.no_grad():
+        module, example, shapes = make()
+        program = torch.export.export(module.eval(), example, dynamic_shapes=shapes)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+        with torch._inductor.config.patch(freezing=True):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+    os.replace(partial, path)  # atomic: a concurrent engine sees a whole package or none

@@ -1,0 +1,142 @@
+"""The compiled decode/verify step (engine.compiled): rows independent of the forward's shape,
+K/V stored in place, the program cached on disk, and an eager fallback when compiling fails.
+Greedy speculative output equal to plain through it: tests/test_embedded.py (compiled)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from agentflash.embedded import embedded_model_dir, model_drafter_dir
+from agentflash.engine.attention import PagedAttention
+from agentflash.engine.compiled import CompiledDraft, CompiledForward, cache_key, step_args
+from agentflash.engine.engine import Engine
+from agentflash.engine.models.dflash import load_drafter
+from agentflash.engine.models.loader import load_model
+from agentflash.engine.sampler import SamplingParams
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(embedded_model_dir(), dtype=torch.bfloat16)
+
+
+def _caches(model, pages: int, seed: int = 0):
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    shape = (pages * PAGE, cfg.num_key_value_heads, cfg.head_dim)
+    return ([torch.randn(shape, generator=g).to(torch.bfloat16) for _ in model.layers],
+            [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in model.layers])
+
+
+def _forward(run, model, tokens, ctx_lens, num_new, k, v):
+    """One forward of sequences laid out on consecutive pages; `run` is the compiled program or
+    None for the eager model."""
+    tables, first = [], 0
+    for n in ctx_lens:
+        tables.append(list(range(first, first + -(-n // PAGE))))
+        first += len(tables[-1])
+    eager = run is None
+    attn = PagedAttention.build(k, v, tables, ctx_lens, num_new, PAGE, model.attention_scale,
+                                one_group=not eager)
+    ids = torch.tensor(tokens)
+    pos = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx_lens, num_new)])
+    if eager:
+        return model(ids, pos, attn).hidden
+    return run(step_args(ids, pos, attn), k, v)
+
+
+def test_rows_do_not_depend_on_the_forward_and_kv_is_stored_in_place(model):
+    run = CompiledForward.build(model, page_size=PAGE)
+    tokens = [(31 * i + 7) % model.config.vocab_size for i in range(16)]
+    k, v = _caches(model, 128)
+    block = _forward(run, model, tokens, [1000], [16], k, v)
+    k_block, v_block = [t.clone() for t in k], [t.clone() for t in v]
+
+    k, v = _caches(model, 128)   # the same context; the block's tokens one decode step at a time
+    rows = [_forward(run, model, [t], [985 + i], [1], k, v) for i, t in enumerate(tokens)]
+    assert torch.equal(torch.cat(rows), block)
+    assert all(torch.equal(a, b) for a, b in zip(k + v, k_block + v_block))
+
+    # ... and in a batch beside a decode row and another sequence's verify block (the first
+    # sequence keeps its pages, so its context is the same)
+    k, v = _caches(model, 128)
+    batch = _forward(run, model, tokens + [5, 9, 9, 9], [1000, 300, 610], [16, 1, 3], k, v)
+    assert torch.equal(batch[:16], block)
+
+    # the compiled numbers are the eager model's to bfloat16 rounding (Inductor fuses casts)
+    k, v = _caches(model, 128)
+    eager = _forward(None, model, tokens, [1000], [16], k, v)
+    cos = torch.nn.functional.cosine_similarity(eager.float(), block.float(), dim=-1)
+    assert cos.min() > 0.999, cos
+
+
+def test_the_drafter_runs_compiled_and_its_context_is_stored_by_the_target_program(model):
+    """The drafter's programs agree with its eager forward (to bfloat16 rounding: only which
+    drafts are proposed depends on them)."""
+    from agentflash.engine.attention import PagedDraftAttention
+    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+    step = CompiledForward.build(model, drafter, page_size=PAGE)
+    draft = CompiledDraft.build(model, drafter, 16, page_size=PAGE)
+    tokens = [(31 * i + 7) % model.config.vocab_size for i in range(16)]
+    k, v = _caches(model, 128)
+    dk, dv = _caches(model, 128, seed=1)
+    dk, dv = dk[:len(drafter.layers)], dv[:len(drafter.layers)]
+    attn = PagedAttention.build(k, v, [list(range(63))], [1000], [16], PAGE,
+                                model.attention_scale, one_group=True)
+    ids, pos = torch.tensor(tokens), torch.arange(984, 1000)
+    step(step_args(ids, pos, attn), k, v, dk, dv)
+    captured = model(ids, pos, PagedAttention.build(
+        [t.clone() for t in k], [t.clone() for t in v], [list(range(63))], [1000], [16], PAGE,
+        model.attention_scale), drafter.config.target_layer_ids).captured
+    want_k = dk[0].clone()
+    drafter.store_context_kv(0, drafter.context_features(captured), pos, pos, want_k,
+                             dv[0].clone())
+    assert torch.allclose(dk[0][984:1000].float(), want_k[984:1000].float(), atol=0.1, rtol=0.05)
+
+    gather = torch.arange(63 * PAGE)[None]
+    block = torch.tensor([tokens[0]] + [drafter.config.mask_token_id] * 15)
+    bpos = torch.arange(1000, 1016)
+    got = draft(block, bpos, gather, torch.tensor([1000]), dk, dv)
+    eager_attn = PagedDraftAttention.build(dk, dv, [list(range(63))], [1000], 16, PAGE, drafter)
+    want = drafter(drafter.embed_block(model, block), bpos, eager_attn)
+    cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
+    assert cos.min() > 0.999, cos
+
+
+def test_the_program_is_cached_on_disk(model):
+    first = CompiledForward.build(model, page_size=PAGE)  # compiled above, or now
+    again = CompiledForward.build(model, page_size=PAGE)
+    assert not again.program.compiled and again.program.path == first.program.path
+    assert again.program.seconds < 5
+    other = load_model(embedded_model_dir(), dtype=torch.bfloat16)
+    with torch.no_grad():
+        other.norm.weight.mul_(1.5)
+    assert cache_key(other) != cache_key(model)
+    assert cache_key(model, None, 16) != cache_key(model, None, 8)
+
+
+def test_a_failed_compile_runs_eager_with_a_warning(monkeypatch, tmp_path, caplog):
+    def no_compiler(*args, **kwargs):  # as where no C++ compiler is installed
+        raise RuntimeError("Failed to find C++ compiler. Please specify via CXX environment "
+                           "variable or set torch._inductor.config.cpp.cxx")
+
+    monkeypatch.setenv("AGENTFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    prompt = [(7 * i + 3) % 4000 for i in range(40)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    with caplog.at_level(logging.WARNING, logger="agentflash.engine.fastpath"):
+        engine = Engine(load_model(embedded_model_dir(), dtype=torch.bfloat16), compile=True)
+    assert "aoti-compiled-step" not in engine.fast_paths
+    assert engine.runner.compiled is None
+    assert "compiled decode step is unavailable" in caplog.text
+    assert "C++ compiler" in caplog.text
+    (done,) = engine.generate([prompt], params)
+    (want,) = Engine(load_model(embedded_model_dir(), dtype=torch.bfloat16),
+                     compile=False).generate([prompt], params)
+    assert done.output_ids == want.output_ids
+    assert not list(tmp_path.rglob("*.pt2"))   # nothing half-written left behind
