@@ -23,6 +23,7 @@ through it once it has it. (The drafter's numbers only decide which drafts are p
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import inspect
 import logging
@@ -46,6 +47,11 @@ from .models.qwen3 import CausalLM
 
 log = logging.getLogger(__name__)
 
+INDUCTOR_OPTIONS = {"freezing": True}
+"""freezing: weights become constants, prepacked for oneDNN. (emulate_precision_casts, which
+rounds fused kernels' intermediates to bfloat16 as eager does, was measured to break the equality
+of batched decode rows and verify blocks: tests/test_embedded.py failed with it.)"""
+
 _SOURCES = (reference, attention_module, dflash, layers, qwen3, rope,
             sys.modules[__name__])
 """Modules whose code the compiled program is made of: their source is part of the cache key."""
@@ -65,11 +71,21 @@ def compile_enabled() -> bool:
     return os.environ.get("AGENTFLASH_COMPILE", "1").lower() not in ("0", "false", "no", "off")
 
 
+DEFAULT_MAX_BYTES = 2 << 30
+"""Where an engine is not told, models with more weight bytes than this are not compiled: the
+package embeds its own copy of the weights (1.2 GB and ~2.5 min of compiling at 0.6B, for a
+~1.4x faster decode step; docs/performance.md)."""
+
+
 def applies(model: CausalLM) -> bool:
     """CPU, bfloat16 (the row-invariant attention path) and a torch with AOTInductor."""
     weight = model.embed_tokens.weight
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
             and hasattr(torch._inductor, "aoti_compile_and_package"))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @dataclass(frozen=True)
@@ -169,6 +185,9 @@ class CompiledProgram:
         if compiled:
             log.warning("compiling the %s for this CPU (once; cached in %s)", name, path.parent)
             _compile(make, path)
+            _prune(path.parent)
+        else:
+            path.touch()  # recently used: pruned last
         run = torch._inductor.aoti_load_package(str(path))
         seconds = time.perf_counter() - t0
         log.info("%s %s in %.1f s: %s", name, "compiled" if compiled else "loaded", seconds, path)
@@ -225,15 +244,33 @@ class CompiledDraft:
                                 list(v_caches))
 
 
+@functools.cache
+def _source_digest() -> bytes:
+    """The model code's source as first read (once: the loaded code, even if a file is edited
+    while the process runs)."""
+    return hashlib.blake2b(b"".join(inspect.getsource(m).encode() for m in _SOURCES)).digest()
+
+
+KEEP = 24
+"""Packages the cache keeps; beyond that the least recently used go (each model, drafter, block
+size and code version has its own)."""
+
+
+def _prune(directory: Path) -> None:
+    packages = sorted((p for p in directory.glob("*.pt2") if ".partial." not in p.name),
+                      key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in packages[KEEP:]:
+        old.unlink(missing_ok=True)
+
+
 def cache_key(model: CausalLM, drafter: DFlashDraftModel | None = None, *extra) -> str:
     """A digest of everything a compiled program depends on."""
     h = hashlib.blake2b(digest_size=16)
     for part in (torch.__version__, torch.backends.cpu.get_cpu_capability(),
-                 torch.get_num_threads(), repr(model.config), extra,
+                 torch.get_num_threads(), INDUCTOR_OPTIONS, repr(model.config), extra,
                  None if drafter is None else repr(drafter.config)):
         h.update(repr(part).encode())
-    for module in _SOURCES:
-        h.update(inspect.getsource(module).encode())
+    h.update(_source_digest())
     states = [model.state_dict()] + ([] if drafter is None else [drafter.state_dict()])
     for state in states:
         for name, tensor in state.items():
@@ -325,6 +362,6 @@ def _compile(make: Callable[[], tuple], path: Path) -> None:
         program = torch.export.export(module.eval(), example, dynamic_shapes=shapes)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
-        with torch._inductor.config.patch(freezing=True):
+        with torch._inductor.config.patch(INDUCTOR_OPTIONS):
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
     os.replace(partial, path)  # atomic: a concurrent engine sees a whole package or none

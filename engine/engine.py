@@ -94,7 +94,7 @@ class Engine:
         """fast_path: prepare the models for inference on this machine, in place (engine.fastpath:
         faster; the models stay usable for inference only); False keeps them as given.
         compile: with the fast path on CPU in bfloat16, compile the decode/verify forward ahead
-        of time (engine.compiled; cached on disk, so ~40 s once per model and machine at 11m;
+        of time (engine.compiled; cached on disk, so ~35 s once per model and machine at 11m;
         None: unless $AGENTFLASH_COMPILE=0). quantize="int4": int4 weights for the target's
         layers (CPU, bfloat16; other numbers than the checkpoint's, so only when asked for)."""
         cfg = model.config

@@ -15,8 +15,8 @@ serves every decode and verify row, so speculative output equals plain output wi
   packed copy of the embedding matrix (the embedding lookup keeps the plain one). With the
   compiled step, only the head and the drafter are packed.
 
-- `aoti-compiled-step` (CPU, bfloat16, AOTInductor; on by default, `compile=False` or
-  $AGENTFLASH_COMPILE=0 turn it off): the decode and verify forwards are compiled ahead of time
+- `aoti-compiled-step` (CPU, bfloat16, AOTInductor; on by default up to 2 GB of weights,
+  `compile=False` or $AGENTFLASH_COMPILE=0 turn it off, `compile=True` forces it): the decode and verify forwards are compiled ahead of time
   into one program (engine.compiled), cached on disk. Its numbers are Inductor's, not eager's bit
   for bit, but one program serves every decode and verify row, so greedy speculative output still
   equals plain output. Where compiling fails (no C++ compiler, an unsupported op), a warning says
@@ -131,6 +131,11 @@ def prepare(model: CausalLM, drafter: DFlashDraftModel | None = None,
     compiled = compiled_draft = None
     if compile is None:
         compile = compiled_step.compile_enabled()
+        if compile and compiled_step.weight_bytes(model) > compiled_step.DEFAULT_MAX_BYTES:
+            log.info("not compiling the decode step of a model of %.1f GB by default (its "
+                     "package would copy the weights); Engine(compile=True) does",
+                     compiled_step.weight_bytes(model) / 1e9)
+            compile = False
     with torch.inference_mode():
         for path in FAST_PATHS:
             if path.name == "onednn-packed-bf16" and compile and compiled_step.applies(model):

