@@ -13,11 +13,12 @@ serves every decode and verify row, so speculative output equals plain output wi
 - `onednn-packed-bf16` (CPU, bfloat16, oneDNN with bf16 support): every linear layer's weight is
   reordered once into oneDNN's blocked layout (engine.models.packed); the tied lm_head gets a
   packed copy of the embedding matrix (the embedding lookup keeps the plain one). With the
-  compiled step, only the head and the drafter are packed.
+  compiled step only the head is packed: the programs hold their own packed weights.
 
 - `aoti-compiled-step` (CPU, bfloat16, AOTInductor; on by default up to 2 GB of weights,
-  `compile=False` or $AGENTFLASH_COMPILE=0 turn it off, `compile=True` forces it): the decode and verify forwards are compiled ahead of time
-  into one program (engine.compiled), cached on disk. Its numbers are Inductor's, not eager's bit
+  `compile=False` or $AGENTFLASH_COMPILE=0 turn it off, `compile=True` forces it; applied
+  before packing): the decode and verify forwards are compiled ahead of time into one program,
+  the drafter's forward into another (engine.compiled), cached on disk. Its numbers are Inductor's, not eager's bit
   for bit, but one program serves every decode and verify row, so greedy speculative output still
   equals plain output. Where compiling fails (no C++ compiler, an unsupported op), a warning says
   why and the engine runs eager.

@@ -60,7 +60,7 @@ class ModelRunner:
             return self._forward(items, True)
         if not small:
             return self._forward(items, False)
-        large = [i for i in range(len(items)) if i not in set(small)]
+        large = [i for i, item in enumerate(items) if item.num_tokens > INVARIANT_MAX_QUERIES]
         parts = [self._forward([items[i] for i in small], True),
                  self._forward([items[i] for i in large], False)]
         rows: list[tuple[int, int]] = [(0, 0)] * len(items)
