@@ -8,8 +8,9 @@ token, sequence, query and key-chunk counts, and compiles it with AOTInductor (f
 prepacked for oneDNN; fused norm / RoPE / SiLU / softmax kernels; a C++ wrapper).
 `CompiledDraft` does the same for the DFlash drafter's block forward. Packages are cached on disk
 under a key of everything they depend on (weights, configs, block size, torch version, CPU
-capability, thread count, this package's model code), so a compile (~35 s for the 11m target on
-2 cores) happens once per machine and a later engine loads it in milliseconds.
+capability, thread count, this package's model code), so a compile (35 s for the 11m target on
+2 cores, 55 s with the drafter's context store, 13 s for its drafter) happens once per machine and
+a later engine loads it in milliseconds.
 
 The target program runs forwards whose sequences each bring at most `INVARIANT_MAX_QUERIES` new
 tokens (decode rows and verify blocks; prefill chunks stay eager). One program serves every such
