@@ -27,6 +27,7 @@ import pydantic
 from agentflash.engine.kv.manager import Pin
 from agentflash.engine.sampler import SamplingParams
 
+from .detokenizer import Detokenizer
 from .errors import (AgentClosedError, AgentflashError, MissingToolResultError,
                      OutputValidationError, ToolDefinitionError, ToolSchemaError)
 from .runtime import Generation, Runtime
@@ -271,7 +272,7 @@ class Agent:
                               speculative=self.speculative, constraint=constraint,
                               reuse=self.reuse_kv)
             parser = ToolCallParser(chat.call_format)
-            detok = _Detokenizer(chat.decode, rt.eos_ids)
+            detok = Detokenizer(chat.decode, rt.eos_ids)
             output: list[int] = []
             async for update in gen:
                 output.extend(update.new_token_ids)
@@ -385,35 +386,6 @@ class Agent:
     def _check_open(self) -> None:
         if self._closed:
             raise AgentClosedError(f"{self.name} is closed")
-
-
-class _Detokenizer:
-    """Text of a growing token list, emitted as deltas that never split a character.
-
-    Decodes only a window: the tokens of the last delta (context for byte-level merges) and the
-    new ones, so a long reply costs O(new tokens) per update, not O(reply)."""
-
-    def __init__(self, decode: Callable[[list[int]], str], skip: frozenset[int]) -> None:
-        self._decode, self._skip = decode, skip
-        self._ids: list[int] = []
-        self._prefix = 0   # window start: the tokens before it were emitted and are settled
-        self._read = 0     # tokens whose text was emitted
-
-    def add(self, ids: list[int]) -> str:
-        self._ids.extend(i for i in ids if i not in self._skip)
-        return self._emit(final=False)
-
-    def flush(self) -> str:
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        done = self._decode(self._ids[self._prefix:self._read])
-        text = self._decode(self._ids[self._prefix:])
-        # an incomplete UTF-8 sequence (or a re-merge of emitted bytes): wait for more tokens
-        if not text.startswith(done) or (text.endswith("\ufffd") and not final):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(done):]
 
 
 def _output_adapter(output_type: Any) -> tuple[pydantic.TypeAdapter | None, dict | None]:

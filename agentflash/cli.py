@@ -216,12 +216,55 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API "
+                       "(needs the server extra: pip install 'agentflash[server]')")
+    p.add_argument("--model", default=None,
+                   help=f"Hugging Face model directory (default: the embedded {EMBEDDED_MODEL})")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--draft", type=Path, default=None,
+                       help="DFlash drafter directory (default: the model's own drafter/)")
+    draft.add_argument("--no-draft", action="store_true", help="no speculative decoding")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--api-key", default=None,
+                   help="require Authorization: Bearer KEY on /v1 (default: open)")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="generation requests held at once; more get 429 (default 256)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="eager forwards instead of the compiled CPU step")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as e:
+        raise ValueError(f"agentflash serve needs the server extra ({e.name} is missing): "
+                         "pip install 'agentflash[server]'") from None
+    from .runtime import Runtime
+
+    rt = Runtime.load(args.model, draft=False if args.no_draft else args.draft,
+                      compile=False if args.no_compile else None)
+    try:
+        app = create_app(rt, args.served_model_name, args.api_key, args.max_in_flight)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        rt.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     _add_report(sub)
     _add_generate(sub)
+    _add_serve(sub)
     return parser
 
 

@@ -129,7 +129,7 @@ def _header(steps: list[StepRecord], tools: list[ToolRecord], total: Usage, span
         ("Prompt tokens", _int(total.prompt_tokens),
          f"cached {_pct(_ratio(total.prompt_tokens_details.cached_tokens, total.prompt_tokens))}"),
         ("Completion tokens", _int(total.completion_tokens),
-         f"{_int(total.completion_tokens_details.accepted_prediction_tokens)} from drafts"
+         f"{_int(spec.accepted_tokens)} from drafts"
          if spec.drafts else ""),
         ("Mean acceptance τ", f"{spec.mean_acceptance_length:.2f}" if spec.drafts
          else "speculation off", _count(spec.drafts, "verify step") if spec.drafts else ""),

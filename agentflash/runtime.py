@@ -33,13 +33,17 @@ from agentflash.engine.sampler import SamplingParams
 
 from .chat import ChatFormat
 from .embedded import model_drafter_dir, resolve_model
-from .errors import AgentClosedError, CheckpointError
+from .errors import AgentClosedError, CheckpointError, KVPoolExhaustedError
+from .history import ReplyMemory
 from .structured import GrammarCompiler
 from .telemetry import RunLog
 from .tokenizer import load_tokenizer
 from .usage import Pricing
 
 T = TypeVar("T")
+
+BATCH_COSTS = (4, 16)
+"""Batch sizes whose step costs `Runtime.load(speculation="auto")` measures beside batch 1."""
 
 
 class _Waker:
@@ -162,30 +166,36 @@ class Runtime:
         eos = tokenizer.eos_token_id
         self.chat = ChatFormat(tokenizer, eos if eos is not None else min(self.eos_ids))
         self.eos_ids |= {self.chat.eos_token_id}
+        # the exact tokens of every reply, for clients that resend whole histories
+        self.replies = ReplyMemory(self.chat)
         self.grammars = GrammarCompiler(tokenizer, engine.config.vocab_size, sorted(self.eos_ids))
         self.target_params = sum(p.numel() for p in engine.model.parameters())
         self.draft_params = (sum(p.numel() for p in engine.drafter.parameters())
                              if engine.drafter is not None else 0)
         self.pricing = pricing
         self.log = RunLog(log) if log is not None else None
-        # step times at batch 1: plain decode steps (at a short and a long context: attention
+        # step times: plain decode steps at batch 1 (at a short and a long context: attention
         # grows with it) are the counterfactual of saved_by_speculation_usd, and the cost of
-        # speculative steps in plain steps is what speculation="auto" weighs a request's
-        # acceptance against (how many drafts to verify)
+        # speculative steps in plain steps (at batch 1, 4 and 16) is what speculation="auto"
+        # weighs a request's acceptance against (how many drafts to verify)
         self.step_cost: StepCost | None = None
         self._plain_at: tuple[tuple[int, float], ...] = ()
         if engine.drafter is not None:
             cost = self.step_cost = engine.measure_step_cost()
             if speculation == "auto":
-                engine.spec = dataclasses.replace(engine.spec, cost=cost)
+                engine.spec = dataclasses.replace(
+                    engine.spec, cost=cost, batch_costs=self._batch_costs(engine))
             long = min(2048, engine.max_model_len // 2)
             self._plain_at = ((cost.context, cost.plain_s),
                               (long, engine.measure_plain_step(long)))
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Condition()
         self._live: dict[int, Generation] = {}
-        self._pins: dict[int, tuple[Pin, float]] = {}   # id(pin) -> (pin, expires at)
+        # pins with a TTL: id(pin) -> (pin, expires at, last used); released when they expire,
+        # and the longest idle first when a request needs their pages
+        self._pins: dict[int, tuple[Pin, float, float]] = {}
         self._closed = False
+        engine.scheduler.relieve = self._release_idlest  # idle sessions give way to requests
         self._thread = threading.Thread(target=self._loop, name="agentflash-engine", daemon=True)
         self._thread.start()
 
@@ -257,6 +267,20 @@ class Runtime:
         return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log,
                    speculation)
 
+    @staticmethod
+    def _batch_costs(engine: Engine) -> tuple[StepCost, ...]:
+        """Step costs with 4 and 16 requests decoding together, as far as the pool and the
+        scheduler hold them (speculation="auto" decides with the nearest batch's)."""
+        costs = []
+        for batch in BATCH_COSTS:
+            if batch > engine.scheduler.config.max_running:
+                break
+            try:
+                costs.append(engine.measure_step_cost(steps=3, batch=batch))
+            except KVPoolExhaustedError:
+                break
+        return tuple(costs)
+
     def plain_step_s(self, context: int) -> float:
         """A plain decode step's seconds at batch 1 with `context` tokens before it: linear
         through the two measured at load, never decreasing with context (timing noise can make
@@ -306,15 +330,16 @@ class Runtime:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, *, pin: bool = False,
                  speculative: bool = True, constraint: TokenConstraint | None = None,
-                 reuse: bool = True) -> Generation:
-        """Submit a request (from a task); iterate the returned Generation for its updates."""
+                 reuse: bool = True, prediction: list[int] | None = None) -> Generation:
+        """Submit a request (from a task); iterate the returned Generation for its updates.
+        `prediction`: token ids the output is expected to follow (engine.Engine.submit)."""
         gen = Generation(self)
 
         def submit() -> None:
             try:
                 gen.seq_id = self.engine.submit(prompt_ids, params, pin=pin,
                                                 speculative=speculative, constraint=constraint,
-                                                reuse=reuse)
+                                                reuse=reuse, prediction=prediction)
             except Exception as e:  # a typed EngineError: bad input, context overflow, ...
                 gen._push(None, error=e)
                 return
@@ -323,11 +348,16 @@ class Runtime:
         self._post(submit)
         return gen
 
-    def keep(self, pin: Pin | None) -> None:
-        """Track a session's pin for the TTL (refreshing its deadline)."""
-        if pin is not None and self.session_ttl is not None:
-            self._post(lambda: self._pins.__setitem__(
-                id(pin), (pin, time.monotonic() + self.session_ttl)))
+    def keep(self, pin: Pin | None, ttl: float | None = None) -> None:
+        """Track a session's pin for a TTL (`ttl` seconds, else the runtime's session_ttl;
+        refreshing its deadline). A tracked pin is released when it expires, or earlier, the
+        longest idle first, when a request needs its pages."""
+        ttl = self.session_ttl if ttl is None else ttl
+        if pin is not None and ttl is not None:
+            def track() -> None:
+                now = time.monotonic()
+                self._pins[id(pin)] = (pin, now + ttl, now)
+            self._post(track)
 
     def unpin(self, pin: Pin | None) -> None:
         """Release a session's pinned KV (thread-safe, asynchronous; no-op after close)."""
@@ -411,13 +441,21 @@ class Runtime:
     def _next_expiry(self) -> float | None:
         if not self._pins:
             return None
-        return max(0.0, min(t for _, t in self._pins.values()) - time.monotonic())
+        return max(0.0, min(t for _, t, _ in self._pins.values()) - time.monotonic())
 
     def _expire_pins(self) -> None:
         now = time.monotonic()
-        for pin, deadline in list(self._pins.values()):
+        for pin, deadline, _ in list(self._pins.values()):
             if deadline <= now:
                 self._release(pin)
+
+    def _release_idlest(self) -> bool:
+        """Release the tracked pin idle longest; False when there is none."""
+        if not self._pins:
+            return False
+        pin, _, _ = min(self._pins.values(), key=lambda entry: entry[2])
+        self._release(pin)
+        return True
 
     def _shutdown(self) -> None:
         closed = AgentClosedError("the runtime was closed")

@@ -1,7 +1,9 @@
 """Usage: what one step (or a run, the sum of its steps) used, counted from engine events.
 
 Pydantic models with the OpenAI-shaped core (prompt/completion/total tokens, cached prompt
-tokens, accepted/rejected prediction tokens) and the `speculative`, `compute`, `timing` and
+tokens, accepted/rejected prediction tokens: OpenAI's Predicted Outputs, the tokens of a
+caller-supplied prediction the target accepted or did not; DFlash's drafts are counted in
+`speculative`, never there) and the `speculative`, `compute`, `timing` and
 `cost` sections of ../shared/specs/usage.md. Sums add counts field by field and recompute ratios
 from the sums (never an average of averages).
 
@@ -153,8 +155,8 @@ class Usage(BaseModel):
             completion_tokens=completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=c.cached_tokens),
             completion_tokens_details=CompletionTokensDetails(
-                accepted_prediction_tokens=c.accepted_tokens,
-                rejected_prediction_tokens=c.draft_tokens - c.accepted_tokens),
+                accepted_prediction_tokens=c.prediction_accepted,
+                rejected_prediction_tokens=c.prediction_tokens - c.prediction_accepted),
             speculative=Speculative(
                 drafts=c.draft_forwards, draft_tokens=c.draft_tokens,
                 accepted_tokens=c.accepted_tokens, committed_tokens=sum(c.acceptance_lengths),

@@ -225,14 +225,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Measured step times in units of one plain decode step (batch 1; `Engine.measure_step_cost`):
-    `draft` is a drafter forward, `verify[k - 1]` a target forward over k tokens (verify[0] = 1).
-    The unit: `plain_s` seconds, a plain step after a `context`-token prompt."""
+    """Measured step times of `batch` requests decoding together, in units of their plain
+    decode step (`Engine.measure_step_cost`): `draft` is a drafter forward over their blocks,
+    `verify[k - 1]` a target forward over k tokens of each (verify[0] = 1). The unit: `plain_s`
+    seconds, a plain step of the batch after a `context`-token prompt each."""
 
     draft: float
     verify: tuple[float, ...]
     plain_s: float = 0.0
     context: int = 0
+    batch: int = 1
 
     def speculative(self, k: int) -> float:
         """A speculative step that verifies k tokens: the anchor and k - 1 drafts."""
@@ -246,10 +248,13 @@ class SpecConfig:
     cost: with step costs, each request verifies, after `probe_steps` full blocks, the number of
     drafts that commits the most tokens per unit of time given its own acceptance so far (and
     decodes token by token once no number beats a plain step); lossless either way. None: every
-    verify step checks the whole block."""
+    verify step checks the whole block. `batch_costs`: the same measured with more requests
+    decoding at once (a verify token costs more, relative to a plain step, once the forward is
+    compute-bound); a request decides with the costs of the batch size nearest its step's."""
 
     block_size: int | None = None
     cost: StepCost | None = None
+    batch_costs: tuple[StepCost, ...] = ()
     probe_steps: int = 4
     MIN_BLOCK = 2
     MAX_BLOCK = 16
@@ -257,7 +262,17 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.probe_steps < 1:
             raise ValueError("probe_steps must be >= 1")
+        if self.batch_costs and self.cost is None:
+            raise ValueError("batch_costs need the batch-1 cost too")
         if self.block_size is not None and not self.MIN_BLOCK <= self.block_size <= self.MAX_BLOCK:
             raise ValueError(
                 f"block_size must be in [{self.MIN_BLOCK}, {self.MAX_BLOCK}], got {self.block_size}"
             )
+
+    def cost_at(self, batch: int) -> StepCost | None:
+        """The step costs measured at the batch size nearest `batch` (in ratio)."""
+        if self.cost is None:
+            return None
+        batch = max(1, batch)
+        return min((self.cost, *self.batch_costs),
+                   key=lambda c: max(c.batch, batch) / min(c.batch, batch))

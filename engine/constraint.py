@@ -8,6 +8,8 @@ Speculation and constraints meet in two places:
 - `propose`: before the verify forward, the drafter's logits are masked position by position
   while the matcher advances through its own proposals, so every draft is grammatical and each
   verify row gets the mask of the state it is judged in (row k: after anchor + d_1..d_k).
+- `follow`: the same for drafts the caller supplied (a prediction), cut where the grammar
+  would not allow them.
 - `settle` (at commit): the matcher rolls back the rejected drafts and accepts the bonus token.
 
 Every committed token is the masked target's choice at its state, exactly as in token-by-token
@@ -72,6 +74,24 @@ def propose(
             raise RequestError(f"the output constraint rejected token {token} it allowed")
         drafts.append(token)
         # after termination nothing more is committed: the last row's mask is never consulted
+        done = constraint.is_terminated()
+        masks.append(torch.ones_like(masks[0]) if done else constraint.allowed())
+    return drafts, masks
+
+
+def follow(
+    constraint: TokenConstraint, tokens: list[int]
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Given drafts (a caller's prediction): the longest grammatical prefix of `tokens`, the
+    matcher advanced through it, and the masks as `propose` gives them."""
+    drafts: list[int] = []
+    masks = [constraint.allowed()]
+    for token in tokens:
+        allowed = masks[-1]
+        if constraint.is_terminated() or token >= allowed.shape[0] or not bool(allowed[token]) \
+                or not constraint.accept(token):
+            break
+        drafts.append(token)
         done = constraint.is_terminated()
         masks.append(torch.ones_like(masks[0]) if done else constraint.allowed())
     return drafts, masks

@@ -18,8 +18,8 @@ from typing import Callable, Iterable, Sequence as Seq
 import torch
 
 from .config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
-from .constraint import TokenConstraint, masked, propose, settle
-from .errors import ContextLengthError, RequestError
+from .constraint import TokenConstraint, follow, masked, propose, settle
+from .errors import ContextLengthError, KVPoolExhaustedError, RequestError
 from .fastpath import Prepared, prepare
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
@@ -31,6 +31,14 @@ from .sampler import SamplingParams, make_generator
 from .scheduler import BatchItem, Scheduler
 from .sequence import SeqCounters, Sequence, Status
 from .spec import Rows, Verdict, judge, verify_length
+
+PRIOR_STEPS = 16
+"""Verify steps the engine must have seen before a new request starts from their acceptance
+(instead of probing full blocks) when choosing how many drafts to verify."""
+
+PREDICTION_BLOCK = 16
+"""Tokens per verify step (anchor + 15 predicted) for a prediction on a sequence the drafter
+does not serve (no drafter, or speculative=False)."""
 
 
 @dataclass
@@ -141,6 +149,11 @@ class Engine:
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
         self._done: dict[int, Completion] = {}
+        self._decoding = 0  # requests past their prompt in the current step
+        # acceptance per draft position over all requests: a new request's prior
+        self._accepted = [0] * (self.block_size - 1)
+        self._verified = [0] * (self.block_size - 1)
+        self._verify_steps = 0
 
     @classmethod
     def from_dir(
@@ -165,10 +178,14 @@ class Engine:
         trace: bool = False,
         constraint: TokenConstraint | None = None,
         reuse: bool = True,
+        prediction: Seq[int] | None = None,
     ) -> int:
         """Queue a request; returns its sequence id. Raises on input that can never run.
 
-        speculative=False decodes this request token by token even with a drafter loaded;
+        speculative=False decodes this request without the drafter even with one loaded;
+        `prediction` (Predicted Outputs: the caller's guess of the output, e.g. a file to be
+        edited) is verified as drafts while the output follows it, the drafter (if any)
+        proposing from where it ends or diverges; the output is the same either way;
         trace=True records every drafted block in `counters.drafts`; a `constraint` (a grammar
         matcher at its start state) restricts every generated token, drafts included;
         reuse=False computes the whole prompt even where the prefix cache holds it."""
@@ -186,16 +203,29 @@ class Engine:
             )
         if params.stop and self.detokenize is None:
             raise RequestError("stop strings need a tokenizer; this engine has none")
+        drafts = speculative and self.drafter is not None
+        predicted = [int(t) for t in prediction or ()]
+        if any(not 0 <= t < vocab for t in predicted):
+            raise RequestError(f"prediction token ids are outside the vocabulary [0, {vocab})")
+        block = self.block_size if drafts else PREDICTION_BLOCK if predicted else 1
         seq = Sequence(next(self._ids), prompt, params, self.max_model_len, pin=pin,
-                       reuse=reuse, block_size=self.block_size if speculative else 1)
+                       reuse=reuse, block_size=block)
+        seq.drafts = drafts
+        if drafts and self._verify_steps >= PRIOR_STEPS:
+            seq.prior = (list(self._accepted), list(self._verified))
+        seq.prediction = predicted or None
+        seq.counters.prediction_tokens = len(predicted)
         seq.constraint = constraint
         seq.counters.submitted_at = time.perf_counter()
         if trace:
             seq.counters.drafts = []
-        # even with its whole prompt cached and every unpinned page evicted
+        # even with its whole prompt cached and every unpinned page evicted (and idle pins
+        # released, where the layer above can)
         error = self.scheduler.never_fits(seq, len(prompt))
-        if error is not None:
-            raise error
+        while error is not None:
+            if self.scheduler.relieve is None or not self.scheduler.relieve():
+                raise error
+            error = self.scheduler.never_fits(seq, len(prompt))
         if not params.greedy:
             seq.generator = make_generator(params.seed, self.device)
         self._seqs[seq.id] = seq
@@ -239,7 +269,13 @@ class Engine:
         updates = [self._finish(seq) for seq in failed]
         if not items:
             return updates
-        verify = [item for item in items if item.verifies]
+        self._decoding = sum(not item.seq.prefilling for item in items)
+        for item in [item for item in items if item.verifies and item.seq.predicting]:
+            error = self._predict(item)
+            if error is not None:
+                updates.append(self._fail(item.seq, error))
+                items.remove(item)
+        verify = [item for item in items if item.verifies and not item.predicted]
         if verify:
             t0 = time.perf_counter()
             logits = self.runner.draft(verify, self.block_size,
@@ -264,8 +300,8 @@ class Engine:
                     items.remove(item)
                     continue
                 item.num_tokens = len(item.draft) + 1
-            if not items:
-                return updates
+        if not items:
+            return updates
         t0 = time.perf_counter()
         out = self.runner.forward(items)
         t_forward = time.perf_counter() - t0
@@ -300,6 +336,25 @@ class Engine:
                 updates.append(self._fail(item.seq, e))
         self.counters.step_s += time.perf_counter() - t_step
         return updates
+
+    def _predict(self, item: BatchItem) -> RequestError | None:
+        """Fill a verify item's drafts from its sequence's prediction (cut by its grammar)."""
+        seq = item.seq
+        assert seq.prediction is not None
+        at = len(seq.output_ids)
+        tokens = seq.prediction[at:at + item.num_tokens - 1]
+        item.predicted = True
+        if seq.constraint is None:
+            item.draft = tokens
+        else:
+            t_grammar = time.perf_counter()
+            try:
+                item.draft, item.masks = follow(seq.constraint, tokens)
+            except RequestError as e:
+                return e
+            seq.counters.grammar_s += time.perf_counter() - t_grammar
+        item.num_tokens = len(item.draft) + 1
+        return None
 
     def _count(self, item: BatchItem, forward_s: float) -> None:
         seq, c, n = item.seq, item.seq.counters, item.num_tokens
@@ -345,7 +400,10 @@ class Engine:
         # KV stays valid for the anchor and accepted drafts only (and never past the last token)
         self.kv.truncate(seq.kv, min(seq.kv.length, seq.num_tokens - 1))
         update = SeqUpdate(seq.id, seq.output_ids[len(seq.output_ids) - kept:])
-        if item.verifies:
+        seq.follow_prediction(kept)
+        if not seq.predicting and not seq.drafts:
+            seq.block_size = 1
+        if item.verifies and not item.predicted:
             c = seq.counters
             c.draft_forwards += 1
             c.draft_tokens += len(draft)
@@ -356,16 +414,26 @@ class Engine:
                 c.verified_per_position.extend([0] * (self.block_size - 1))
             for k in range(verdict.accepted):
                 c.accepted_per_position[k] += 1
+                self._accepted[k] += 1
             for k in range(len(draft)):
                 c.verified_per_position[k] += 1
+                self._verified[k] += 1
+            self._verify_steps += 1
             if c.drafts is not None:
                 c.drafts.append(list(draft))
-            if self.spec.cost is not None and len(c.acceptance_lengths) >= self.spec.probe_steps:
-                seq.block_size = verify_length(c.accepted_per_position, c.verified_per_position,
-                                               self.block_size, self.spec.cost)
             update.draft_tokens, update.accepted_tokens = len(draft), verdict.accepted
             self.counters.draft_tokens += len(draft)
             self.counters.accepted_tokens += verdict.accepted
+        c = seq.counters
+        if seq.drafts and not seq.predicting and self.spec.cost is not None:
+            # after every step, plain ones too: a request that decodes plainly in a big batch
+            # speculates again once the batch shrinks. Until its own probe blocks are done, a
+            # request goes by the acceptance of the requests before it (when there were any)
+            stats = ((c.accepted_per_position, c.verified_per_position)
+                     if len(c.acceptance_lengths) >= self.spec.probe_steps else seq.prior)
+            if stats is not None:
+                seq.block_size = verify_length(*stats, self.block_size,
+                                               self.spec.cost_at(self._decoding))
         if seq.finish_reason is not None:
             update = self._finish(seq, update)
         return update
@@ -425,56 +493,64 @@ class Engine:
         _, target, _ = self._time_blocks(context, [1], steps, speculative=False)
         return target[0]
 
-    def measure_step_cost(self, context: int = 256, steps: int = 8) -> StepCost:
-        """A plain decode step at batch 1 after a `context`-token prompt (shorter where the
-        model's context is), and the cost of drafter forwards and of verifying 2, 4, 8 ..
-        block_size tokens in units of it (linear in between), measured on one request of this
-        engine. Call it before serving: it needs an idle engine and clears the prefix cache."""
+    def measure_step_cost(self, context: int = 256, steps: int = 8, batch: int = 1) -> StepCost:
+        """A plain decode step of `batch` requests after a `context`-token prompt each (shorter
+        where the model's context is), and the cost of drafter forwards and of verifying 2, 4,
+        8 .. block_size tokens each in units of it (linear in between), measured on synthetic
+        requests of this engine. Call it before serving: it needs an idle engine and clears the
+        prefix cache."""
         assert self.drafter is not None, "needs a speculative engine"
         lengths = [k for k in (1, 2, 4, 8) if k < self.block_size] + [self.block_size]
-        context, target, draft = self._time_blocks(context, lengths, steps, speculative=True)
+        context, target, draft = self._time_blocks(context, lengths, steps, True, batch)
         plain = target[0]
         verify = tuple(float(v) / plain for v in
                        _interpolate(lengths, target, range(1, self.block_size + 1)))
-        return StepCost(sum(draft[1:]) / len(draft[1:]) / plain, verify, plain, context)
+        return StepCost(sum(draft[1:]) / len(draft[1:]) / plain, verify, plain, context, batch)
 
     def _time_blocks(
-        self, context: int, blocks: list[int], steps: int, speculative: bool
+        self, context: int, blocks: list[int], steps: int, speculative: bool, batch: int = 1
     ) -> tuple[int, list[float], list[float]]:
-        """One synthetic request: a `context`-token prompt, a warm-up step at each verify length
-        in `blocks`, then `steps` rounds of one step at each length (interleaved, so that a
-        shared machine's load drift falls on every length alike). Returns the context used and
-        the median target and drafter seconds per step of each length; leaves the engine idle
-        with an empty cache."""
+        """`batch` synthetic requests: a `context`-token prompt each, a warm-up step at each
+        verify length in `blocks`, then `steps` rounds of one step at each length (interleaved,
+        so that a shared machine's load drift falls on every length alike). Returns the context
+        used and the median target and drafter seconds per step of each length; leaves the
+        engine idle with an empty cache."""
         assert not self.has_work(), "needs an idle engine"
         budget = (steps + 1) * sum(blocks) + 1
         context = min(context, self.max_model_len - budget)  # a short model: a shorter prompt
         if context < 1:
             raise ContextLengthError(f"measuring needs more than {budget} positions")
-        prompt = [(7 * i + 11) % self.config.vocab_size for i in range(context)]
-        spec, self.spec = self.spec, replace(self.spec, cost=None)
-        seq_id = self.submit(prompt, SamplingParams(max_new_tokens=budget, ignore_eos=True),
-                             speculative=speculative)
-        seq = self._seqs[seq_id]
-        c = seq.counters
-        self.step()  # prefill
+        page = self.kv.page_size
+        if batch * (-(-(context + budget) // page) + 1) > self.kv.max_reservable():
+            raise KVPoolExhaustedError(f"measuring {batch} requests needs more KV pages than "
+                                       "the pool can free")
+        vocab = self.config.vocab_size
+        spec, self.spec = self.spec, replace(self.spec, cost=None, batch_costs=())
+        ids = [self.submit([(7 * i + 11 * r + 3) % vocab for i in range(context)],
+                           SamplingParams(max_new_tokens=budget, ignore_eos=True),
+                           speculative=speculative, reuse=False) for r in range(batch)]
+        seqs = [self._seqs[i] for i in ids]
+        while any(seq.prefilling for seq in seqs) or len(self.scheduler.running) < batch:
+            self.step()  # admit and prefill them all
         target: list[list[float]] = [[] for _ in blocks]
         draft: list[list[float]] = [[] for _ in blocks]
+        c = self.counters
         for rnd in range(steps + 1):
             for i, k in enumerate(blocks):
-                seq.block_size = k
-                t0, d0 = c.decode_compute_s, c.draft_compute_s
+                for seq in seqs:
+                    seq.block_size = k
+                t0, d0 = c.target_s, c.draft_s
                 self.step()
                 if rnd:  # round 0 warms every length up
-                    target[i].append(c.decode_compute_s - t0)
-                    draft[i].append(c.draft_compute_s - d0)
-        self.abort(seq_id)
-        self.result(seq_id)
+                    target[i].append(c.target_s - t0)
+                    draft[i].append(c.draft_s - d0)
+        for seq_id in ids:
+            self.abort(seq_id)
+            self.result(seq_id)
         self.clear_cache()
         self.spec = spec
         return (context, [statistics.median(t) for t in target],
                 [statistics.median(d) for d in draft])
-
 
 def _interpolate(xs: list[int], ys: list[float], at: Iterable[int]) -> list[float]:
     """Piecewise-linear y at each point of `at` through the points (xs, ys), xs increasing."""

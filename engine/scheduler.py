@@ -3,7 +3,8 @@
 Admission is by KV reservation: a sequence enters the running set only once the pages for its
 whole budget (prompt + max_new_tokens, capped by the context) are promised, so a running
 sequence never runs out of KV mid-generation and nothing needs preempting. A request that could
-not fit even with every unpinned page evicted fails with KVPoolExhaustedError instead of waiting.
+not fit even with every unpinned page evicted fails with KVPoolExhaustedError instead of waiting,
+unless `relieve` (the runtime's: release idle sessions' pins, the longest idle first) frees pages.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -25,7 +27,8 @@ class BatchItem:
     """`num_tokens` new tokens of `seq` go through this forward (from position `start`).
 
     A verify item (num_tokens > 1 on a sequence past its prompt) feeds the sequence's last token
-    (the anchor) followed by `draft`, the drafter's proposals, which the engine fills in.
+    (the anchor) followed by `draft`, the drafter's proposals (or the caller's prediction),
+    which the engine fills in.
     Everything is fixed when the item is made, before the forward moves the sequence on, except
     that a constrained block shrinks when its grammar terminates inside the drafts."""
 
@@ -33,6 +36,7 @@ class BatchItem:
     num_tokens: int
     draft: list[int] | None = None
     masks: list[torch.Tensor] | None = None  # constrained verify: allowed tokens per block row
+    predicted: bool = False             # the drafts are the caller's prediction, not the drafter's
     start: int = field(init=False)
     verifies: bool = field(init=False)
     samples: bool = field(init=False)   # yields the sequence's next token(s)
@@ -55,6 +59,9 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # set by the layer above (the runtime): frees pinned pages that nothing runs on (idle
+        # sessions) when a request needs them; returns False when it had nothing to free
+        self.relieve: Callable[[], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,7 +122,13 @@ class Scheduler:
             return True, None
         cached = kv.length
         self.kv.release(kv)  # (resets kv)
-        return False, self.never_fits(seq, cached)
+        error = self.never_fits(seq, cached)
+        # a request that cannot fit while pins hold pages, or that waits with nothing running
+        # that could free any: idle pins give way (one per step), and admission tries again
+        if (error is not None or not self.running) and self.relieve is not None \
+                and self.relieve():
+            return False, None
+        return False, error
 
     def never_fits(self, seq: Sequence, cached: int) -> KVPoolExhaustedError | None:
         """The error for a sequence whose budget, with `cached` tokens of it already in shared

@@ -31,6 +31,8 @@ class SeqCounters:
     draft_tokens: int = 0             # tokens proposed
     accepted_tokens: int = 0          # proposals the target accepted
     draft_context_tokens: int = 0     # positions whose drafter context K/V was computed
+    prediction_tokens: int = 0        # tokens of the caller's prediction (Predicted Outputs)
+    prediction_accepted: int = 0      # of those, reproduced by the output (OpenAI's accepted)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per verify
     accepted_per_position: list[int] = field(default_factory=list)  # index k: draft k accepted
     verified_per_position: list[int] = field(default_factory=list)  # index k: draft k verified
@@ -74,6 +76,11 @@ class Sequence:
     kv: SeqKV | None = None
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # grammar every generated token must follow
+    drafts: bool = False              # the drafter proposes this sequence's blocks
+    # acceptance (accepted, verified per draft position) of the requests before this one: how
+    # many drafts to verify until its own first blocks are counted
+    prior: tuple[list[int], list[int]] | None = None
+    prediction: list[int] | None = None  # the caller's guess of the output, while it holds
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: Exception | None = None
     counters: SeqCounters = field(default_factory=SeqCounters)
@@ -99,6 +106,23 @@ class Sequence:
     def computed(self) -> int:
         """Tokens whose KV is written."""
         return self.kv.length if self.kv is not None else 0
+
+    @property
+    def predicting(self) -> bool:
+        """The output so far equals the start of the prediction, and some of it is left."""
+        return self.prediction is not None and len(self.output_ids) < len(self.prediction)
+
+    def follow_prediction(self, kept: int) -> None:
+        """After `kept` tokens were appended: count those that reproduce the prediction, and
+        drop the prediction once the output leaves it."""
+        if self.prediction is None:
+            return
+        n = len(self.output_ids)
+        for i in range(n - kept, n):
+            if i >= len(self.prediction) or self.output_ids[i] != self.prediction[i]:
+                self.prediction = None
+                return
+            self.counters.prediction_accepted += 1
 
     @property
     def prefilling(self) -> bool:

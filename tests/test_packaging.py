@@ -20,8 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("agentflash", "engine", "kernels", "examples")  # what the wheel installs
 # Modules that exist for an extra and are imported only after checking it is installed
-# (kernels.dispatch looks for triton with importlib.util.find_spec before importing them).
+# (kernels.dispatch looks for triton with importlib.util.find_spec before importing them;
+# `agentflash serve` imports the server package inside a try that names the extra).
 EXTRA_MODULES = {
+    "agentflash/server/app.py": "server",
+    "agentflash/server/metrics.py": "server",
     "kernels/triton_accept.py": "triton",
     "kernels/triton_attention.py": "triton",
     "kernels/triton_context_kv.py": "triton",
@@ -38,7 +41,8 @@ def _requirement_names(reqs: list[str]) -> set[str]:
 
 def _declared() -> tuple[set[str], dict[str, set[str]]]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = {name: _requirement_names(reqs)
+    own = {_norm(project["name"])}  # an extra may pull in another: "agentflash[server]"
+    extras = {name: _requirement_names(reqs) - own
               for name, reqs in project.get("optional-dependencies", {}).items()}
     return _requirement_names(project["dependencies"]), extras
 

