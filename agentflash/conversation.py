@@ -18,7 +18,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Sequence
 
 from agentflash.engine.kv.manager import Pin
 from agentflash.engine.sampler import SamplingParams
@@ -165,7 +165,7 @@ class ChatTurn:
             params = replace(params, stop=(*params.stop, CLOSE))  # one call ends the turn
         self.params = params
 
-    async def events(self) -> AsyncIterator[ChatEvent]:
+    async def events(self) -> AsyncGenerator[ChatEvent, None]:
         """Text and tool-call chunks as they are produced, then the `ChatReply`."""
         rt, request = self.runtime, self.request
         t0 = time.perf_counter()

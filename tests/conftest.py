@@ -22,6 +22,22 @@ if not torch.cuda.is_available():
 os.environ["AGENTFLASH_COMPILE"] = "0"
 
 
+@pytest.fixture
+def anyio_backend():
+    """Async tests run on asyncio, unless they parametrize it (trio)."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def rt():
+    """A runtime on the embedded model and its drafter, one per test module."""
+    from agentflash import Runtime
+
+    runtime = Runtime.load()
+    yield runtime
+    runtime.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compiled_cache(tmp_path_factory):
     os.environ["AGENTFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("agentflash-cache"))

@@ -20,18 +20,6 @@ from agentflash.errors import (AgentClosedError, ContextLengthError, MissingTool
 SAMPLE = Path(__file__).parent / "data" / "bfcl_sample.jsonl"
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def rt():
-    runtime = Runtime.load()
-    yield runtime
-    runtime.close()
-
-
 @tool
 def add(a: int, b: int) -> int:
     """Add two integers."""

@@ -21,10 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("agentflash", "engine", "kernels", "examples")  # what the wheel installs
 # Modules that exist for an extra and are imported only after checking it is installed
 # (kernels.dispatch looks for triton with importlib.util.find_spec before importing them;
-# `agentflash serve` imports the server package inside a try that names the extra).
+# `agentflash serve` imports the server package inside a try that names the extra; each
+# framework adapter is imported only by users of that framework).
 EXTRA_MODULES = {
     "agentflash/server/app.py": "server",
     "agentflash/server/metrics.py": "server",
+    "agentflash/integrations/pydantic_ai.py": "pydantic-ai",
+    "agentflash/integrations/openai_agents.py": "openai-agents",
+    "agentflash/integrations/langchain.py": "langchain",
     "kernels/triton_accept.py": "triton",
     "kernels/triton_attention.py": "triton",
     "kernels/triton_context_kv.py": "triton",

@@ -49,11 +49,6 @@ CITY = {"type": "object", "properties": {"name": {"type": "string"},
         "required": ["name", "population"], "additionalProperties": False}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @contextmanager
 def running(app: Any) -> Iterator[str]:
     """uvicorn serving `app` on a free 127.0.0.1 port in a thread; yields the base URL."""
@@ -73,13 +68,6 @@ def running(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def rt():
-    runtime = Runtime.load()
-    yield runtime
-    runtime.close()
 
 
 @pytest.fixture(scope="module")

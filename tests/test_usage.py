@@ -20,11 +20,6 @@ TOKENS = Pricing(input_per_1m=2.0, cached_input_per_1m=0.5, output_per_1m=8.0)
 EXPORTER = InMemorySpanExporter()
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory):
     provider = TracerProvider()
