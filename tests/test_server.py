@@ -408,6 +408,27 @@ def test_disconnect_mid_stream_frees_kv(client, rt):
                                           max_tokens=4).choices[0].message is not None
 
 
+def test_disconnect_before_a_plain_response_frees_kv(base_url, rt):
+    """A non-streamed request whose client gives up is aborted, not run to its end (2000
+    tokens would take far longer than the check waits)."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    # 2000 tokens (ignore_eos, vLLM's extension): 10-40 s here
+    body = {"model": MODEL, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "messages": [SYSTEM, {"role": "user", "content": "Tell me a long story."}]}
+    try:
+        r = httpx.post(base_url + "/v1/chat/completions", headers=headers, json=body,
+                       timeout=1.0)
+    except httpx.TimeoutException:
+        pass  # the client gives up: it disconnects
+    else:
+        pytest.fail(f"answered within the timeout: {r.status_code} {r.text[:300]}")
+    assert_clean(rt, timeout=5)
+    # aborted (the server answered 499 to nobody), not finished
+    metrics = httpx.get(base_url + "/metrics").text
+    assert 'agentflash_requests_total{endpoint="/v1/chat/completions",status="499"} 1.0' \
+        in metrics, [line for line in metrics.splitlines() if "requests_total" in line]
+
+
 @pytest.mark.anyio
 async def test_async_client_concurrent_turns(aclient, rt):
     async def agent(i: int) -> int:

@@ -204,7 +204,7 @@ def create_app(runtime: Runtime, served_model_name: str | None = None,
             raise _as_server_error(e) from None
         if body.stream:
             return await _stream(server, request, _chat_chunks(server, body, turns))
-        return await _respond(server, _chat_response(server, body, turns))
+        return await _respond(server, request, _chat_response(server, body, turns))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -216,7 +216,7 @@ def create_app(runtime: Runtime, served_model_name: str | None = None,
             raise _as_server_error(e) from None
         if body.stream:
             return await _stream(server, request, _text_chunks(server, body, prompts, params))
-        return await _respond(server, _text_response(server, body, prompts, params))
+        return await _respond(server, request, _text_response(server, body, prompts, params))
 
     app.include_router(v1)
     app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
@@ -411,15 +411,36 @@ async def _text_chunks(server: Server, body: CompletionRequest, prompts: list[li
 
 # ---- HTTP responses -----------------------------------------------------------------------
 
-async def _respond(server: Server, work: Any) -> JSONResponse:
+DISCONNECT_POLL_S = 0.25
+"""How often a non-streamed request checks that its client is still there."""
+
+
+async def _respond(server: Server, request: Request, work: Any) -> Response:
+    """A JSON response from `work`; a client that goes away first cancels it (aborting its
+    generations and freeing their KV)."""
     server.in_flight += 1
+    body: Any = None
     try:
-        body = await work
+        async with anyio.create_task_group() as tg:
+            async def run() -> None:
+                nonlocal body
+                body = await work
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                while not await request.is_disconnected():
+                    await anyio.sleep(DISCONNECT_POLL_S)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            tg.start_soon(watch)
     except Exception as e:
         raise _as_server_error(e) from None
     finally:
         server.in_flight -= 1
-    return JSONResponse(body)
+    status = 200 if body is not None else 499  # 499: the client left, nobody reads this
+    server.metrics.requests.labels(request.url.path, str(status)).inc()
+    return JSONResponse(body) if body is not None else Response(status_code=499)
 
 
 async def _stream(server: Server, request: Request,
@@ -437,6 +458,8 @@ async def _stream(server: Server, request: Request,
         server.in_flight -= 1
         await chunks.aclose()
         raise _as_server_error(e) from None
+
+    server.metrics.requests.labels(request.url.path, "200").inc()
 
     async def body() -> AsyncIterator[bytes]:
         try:

@@ -96,6 +96,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+    ignore_eos: bool = False           # vLLM's extension: generate to max_tokens (benchmarks)
 
     def params(self, index: int = 0) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -106,7 +107,7 @@ class _Sampling(_Body):
         seed = None if self.seed is None else self.seed + index  # n choices: distinct streams
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, seed=seed,
-                              stop=tuple(stop))
+                              stop=tuple(stop), ignore_eos=self.ignore_eos)
 
 
 class ChatCompletionRequest(_Sampling):
