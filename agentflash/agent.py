@@ -31,14 +31,12 @@ from .detokenizer import Detokenizer
 from .errors import (AgentClosedError, AgentflashError, MissingToolResultError,
                      OutputValidationError, ToolDefinitionError, ToolSchemaError)
 from .runtime import Generation, Runtime
-from .structured import OutputSpec
+from .structured import TOOL_CHOICES, OutputSpec
 from .telemetry import RunLog, Tracer, step_records
 from .tool import Tool, as_tool
 from .step import Step, ToolCall, ToolResult
 from .toolcall_parser import MalformedToolCall, TextDelta, ToolCallParser
 from .usage import Usage
-
-TOOL_CHOICES = ("auto", "required", "none")
 
 
 @dataclass

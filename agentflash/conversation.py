@@ -28,13 +28,12 @@ from .errors import ContextLengthError, RequestError, ToolDefinitionError
 from .history import message_text
 from .runtime import Runtime
 from .step import ToolCall
-from .structured import OutputSpec
+from .structured import TOOL_CHOICES, OutputSpec
 from .tool import Tool
 from .toolcall_parser import CLOSE, ParsedToolCall, TextDelta, ToolCallParser
 from .usage import Usage
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-TOOL_CHOICES = ("auto", "required", "none")
 
 
 @dataclass(frozen=True)
@@ -72,6 +71,40 @@ class ChatRequest:
         elif self.tool_choice == "required" and not tools:
             raise ToolDefinitionError('tool_choice "required" needs at least one tool')
         return replace(self, tools=tools)
+
+
+def tool_choice_of(choice: str | dict[str, Any] | None, has_tools: bool) -> str:
+    """ChatRequest.tool_choice from OpenAI's: "auto" | "required" | "none" | {"type":
+    "function", "function": {"name": ...}} | None (auto with tools, none without)."""
+    if choice is None:
+        return "auto" if has_tools else "none"
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise ToolDefinitionError(f'tool_choice must be "auto", "required", "none" or a '
+                                      f"named function, got {choice!r}")
+        return choice
+    name = (choice.get("function") or {}).get("name") \
+        if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise ToolDefinitionError('a named tool_choice is {"type": "function", "function": '
+                                  f'{{"name": ...}}}}, got {choice!r}')
+    return name
+
+
+def output_schema_of(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """ChatRequest.output_schema from OpenAI's response_format: None or "text" (free text),
+    "json_object" (any object) or "json_schema" (its `schema`)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    schema = ((response_format or {}).get("json_schema") or {}).get("schema")
+    if kind != "json_schema" or not isinstance(schema, dict):
+        raise RequestError('response_format is {"type": "json_schema", "json_schema": {"name": '
+                           '..., "schema": {...}}}, "json_object" or "text"; got '
+                           f'{response_format!r}')
+    return schema
 
 
 @dataclass(frozen=True)

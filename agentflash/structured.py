@@ -23,6 +23,9 @@ from xgrammar.structural_tag import AnyTextFormat, JSONSchemaFormat, OrFormat, S
 
 from .errors import ToolSchemaError
 
+TOOL_CHOICES = ("auto", "required", "none")
+"""tool_choice values besides a tool's name."""
+
 # parser format (agentflash.toolcall_parser) -> xgrammar's structural-tag model key and the
 # text that starts a call in that format
 _FORMATS = {"hermes": ("qwen_3", "<tool_call>"), "llama3_json": ("llama", '{"name": ')}

@@ -186,8 +186,6 @@ def test_resent_conversation_with_tool_result_is_cached(client):
     first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                            tool_choice="required", temperature=0,
                                            max_tokens=64)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0 or \
-        first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
     message = first.choices[0].message
     # resent as a client does: the assistant message re-serialized, then the tool's result
     history = ASK + [message.model_dump(exclude_none=True)] + [
@@ -287,9 +285,12 @@ def test_sessions_give_way_under_pressure():
 
 
 def test_n_choices_share_the_prompt(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=7,
+    fresh = [SYSTEM, {"role": "user", "content": "Which city should I visit in n-choice spring?"}]
+    r = client.chat.completions.create(model=MODEL, messages=fresh, temperature=1.0, seed=7,
                                        n=3, max_tokens=24)
     assert [c.index for c in r.choices] == [0, 1, 2]
+    # one shared prefill of the prompt, then each choice computes only its last token
+    assert r.usage.model_extra["agentflash"]["compute"]["prefill_tokens_computed"] == 3
     assert len({c.message.content for c in r.choices}) > 1  # seeds 7, 8, 9
     greedy = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, n=2,
                                             max_tokens=24)

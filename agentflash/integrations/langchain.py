@@ -54,7 +54,9 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentflash.conversation import CallChunk, ChatEvent, ChatReply, ChatRequest, TextChunk, chat
+from agentflash.conversation import (CallChunk, ChatEvent, ChatReply, ChatRequest, TextChunk, chat,
+                                     output_schema_of, tool_choice_of)
+from agentflash.structured import TOOL_CHOICES
 from agentflash.engine.sampler import SamplingParams
 from agentflash.runtime import Runtime
 
@@ -149,7 +151,7 @@ class ChatAgentflash(BaseChatModel):
         return ChatRequest(messages=tuple(_openai_message(m) for m in messages),
                            tools=tuple(tools), tool_choice=_tool_choice(tool_choice, tools),
                            parallel_tool_calls=parallel_tool_calls,
-                           output_schema=_output_schema(response_format), params=params,
+                           output_schema=output_schema_of(response_format), params=params,
                            max_tokens=self.max_tokens)
 
     async def _events(self, messages: list[BaseMessage], stop: list[str] | None,
@@ -265,33 +267,15 @@ def _openai_message(m: BaseMessage) -> dict[str, Any]:
 
 def _tool_choice(choice: str | dict[str, Any] | bool | None,
                  tools: Sequence[dict[str, Any]]) -> str:
-    """agentflash's tool_choice ("auto" | "required" | "none" | a tool's name)."""
-    if choice is None:
-        return "auto" if tools else "none"
+    """agentflash's tool_choice from LangChain's: OpenAI's, plus True / False, "any" and a
+    bare tool name."""
     if isinstance(choice, bool):
         return "required" if choice else "none"
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise ValueError('a named tool_choice is {"type": "function", "function": '
-                             f'{{"name": ...}}}}, got {choice!r}')
-        return name
-    return "required" if choice == "any" else choice
-
-
-def _output_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The JSON schema an OpenAI response_format asks for (None: free text)."""
-    kind = (response_format or {}).get("type", "text")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "object"}
-    schema = ((response_format or {}).get("json_schema") or {}).get("schema")
-    if kind != "json_schema" or not isinstance(schema, dict):
-        raise ValueError('response_format is {"type": "json_schema", "json_schema": {"name": '
-                         f'..., "schema": {{...}}}}}}, "json_object" or "text"; got '
-                         f'{response_format!r}')
-    return schema
+    if choice == "any":
+        return "required"
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        return choice  # a tool's name (ChatRequest checks it is one)
+    return tool_choice_of(choice, bool(tools))
 
 
 def _usage_metadata(reply: ChatReply) -> UsageMetadata:

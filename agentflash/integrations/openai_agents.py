@@ -57,10 +57,11 @@ from openai.types.responses.response_prompt_param import ResponsePromptParam
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
 from agentflash import usage as af
-from agentflash.conversation import (TOOL_CHOICES, CallChunk, ChatEvent, ChatReply, ChatRequest,
+from agentflash.conversation import (CallChunk, ChatEvent, ChatReply, ChatRequest,
                                      ChatTurn, TextChunk, chat)
 from agentflash.engine.sampler import SamplingParams
 from agentflash.runtime import Runtime
+from agentflash.structured import TOOL_CHOICES
 
 
 class AgentflashModel(Model):

@@ -126,9 +126,6 @@ class Server:
                               "retry shortly", "rate_limit_exceeded", "queue_full",
                               headers={"Retry-After": "1"})
 
-    def account(self, usage: Usage) -> None:
-        self.metrics.count(usage)
-
 
 def create_app(runtime: Runtime, served_model_name: str | None = None,
                api_key: str | None = None, max_in_flight: int = 256) -> FastAPI:
@@ -283,7 +280,7 @@ async def _chat_events(server: Server, body: ChatCompletionRequest,
         async for index, event in _merge([t.events for t in turns]):
             if isinstance(event, ChatReply):
                 replies.append(event)
-                server.account(event.usage)
+                server.metrics.count(event.usage)
                 if index == 0 and body.session is not None:
                     server.sessions.hold(body.session.id, event.pin, body.session.ttl_s)
                 elif event.pin is not None:
@@ -371,7 +368,7 @@ async def _text_events(server: Server, body: CompletionRequest, prompts: list[li
     async for index, event in _merge(sources):
         if isinstance(event, TextReply):
             usages.append(event.usage)
-            server.account(event.usage)
+            server.metrics.count(event.usage)
         yield index, event
     yield -1, (Usage.sum(usages), None)
 

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentflash.conversation import ChatRequest
+from agentflash.conversation import ChatRequest, output_schema_of, tool_choice_of
 from agentflash.engine.sampler import SamplingParams
-from agentflash.errors import RequestError, ToolDefinitionError
+from agentflash.errors import RequestError
 from agentflash.step import ToolCall
 from agentflash.usage import Usage
 
@@ -124,39 +124,11 @@ class ChatCompletionRequest(_Sampling):
         return ChatRequest(
             messages=tuple(m.model_dump(exclude_none=True) for m in self.messages),
             tools=tuple(t.model_dump(exclude_none=True) for t in self.tools or ()),
-            tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
-            output_schema=self._output_schema(), params=self.params(index),
+            tool_choice=tool_choice_of(self.tool_choice, bool(self.tools)), parallel_tool_calls=self.parallel_tool_calls,
+            output_schema=output_schema_of(
+                None if self.response_format is None else self.response_format.model_dump()), params=self.params(index),
             max_tokens=self.max_completion_tokens or self.max_tokens,
             prediction=self._prediction(), pin=self.session is not None and index == 0)
-
-    def _tool_choice(self) -> str:
-        choice = self.tool_choice
-        if choice is None:
-            return "auto" if self.tools else "none"
-        if isinstance(choice, str):
-            if choice not in ("auto", "required", "none"):
-                raise ToolDefinitionError(
-                    f'tool_choice must be "auto", "required", "none" or a named function, '
-                    f"got {choice!r}")
-            return choice
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" \
-            else None
-        if not isinstance(name, str):
-            raise ToolDefinitionError('a named tool_choice is {"type": "function", "function": '
-                                      '{"name": ...}}')
-        return name
-
-    def _output_schema(self) -> dict[str, Any] | None:
-        fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return {"type": "object"}
-        schema = (fmt.json_schema or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise RequestError('response_format json_schema needs {"json_schema": {"name": ..., '
-                               '"schema": {...}}}')
-        return schema
 
     def _prediction(self) -> str | None:
         if self.prediction is None:
