@@ -1,10 +1,13 @@
 """Agent: the loop user -> model -> tools -> model, over one KV-resident session.
 
-An agent holds a conversation and the token list the model really saw (agentflash/chat.py). Each
-step renders only the messages added since the last reply, so the runtime's prefix cache serves
-the rest; the session's KV stays pinned between steps and while tools run. Tool calls and
-`output_type` output are constrained by xgrammar inside the speculative loop
-(agentflash/structured.py), so calls parse and validate by construction.
+Each step is one chat turn (agentflash.conversation.chat) on the agent's runtime: the local
+`Runtime`, or a `RemoteRuntime` over an OpenAI-compatible server (agentflash.remote), with the
+same code above it. Locally the agent keeps the token list the model really saw (a `History`),
+so a step renders only the messages added since the last reply and the prefix cache serves the
+rest; the session's KV stays pinned between steps and while tools run. Remotely the server keeps
+its own cache, and every request carries the agent's session id for routers. Tool calls and
+`output_type` output are constrained by xgrammar inside the speculative loop (locally) or by the
+same grammar sent to the server (agentflash.structured), so calls parse and validate.
 
 Failure never corrupts the conversation: a step that raises or is cancelled leaves the agent as it
 was before the step (its input message included), and releases the KV its generation held.
@@ -27,15 +30,16 @@ import pydantic
 from agentflash.engine.kv.manager import Pin
 from agentflash.engine.sampler import SamplingParams
 
-from .detokenizer import Detokenizer
+from .conversation import check_output, chat
 from .errors import (AgentClosedError, AgentflashError, MissingToolResultError,
                      OutputValidationError, ToolDefinitionError, ToolSchemaError)
-from .runtime import Generation, Runtime
-from .structured import TOOL_CHOICES, OutputSpec
+from .remote import RemoteRuntime
+from .request import ChatReply, ChatRequest, History, TextChunk
+from .runtime import Runtime
+from .structured import TOOL_CHOICES
 from .telemetry import RunLog, Tracer, step_records
 from .tool import Tool, as_tool
 from .step import Step, ToolCall, ToolResult
-from .toolcall_parser import MalformedToolCall, TextDelta, ToolCallParser
 from .usage import Usage
 
 
@@ -84,14 +88,15 @@ class MaxStepsError(AgentflashError):
 
 
 class Agent:
-    """A conversation with tools on a `Runtime`. Steps of one agent run one at a time; many
-    agents on one runtime run concurrently and are batched together by the engine."""
+    """A conversation with tools on a `Runtime` (or a `RemoteRuntime`). Steps of one agent run
+    one at a time; many agents on one runtime run concurrently and are batched together by the
+    engine (or the server)."""
 
     _ids = itertools.count()
 
     def __init__(
         self,
-        runtime: Runtime,
+        runtime: Runtime | RemoteRuntime,
         instructions: str | None = None,
         tools: Sequence[Tool | Callable[..., Any] | dict[str, Any]] = (),
         output_type: Any = None,
@@ -112,12 +117,11 @@ class Agent:
         self.id = next(Agent._ids)
         self.name = name or f"agent-{self.id}"
         self.session_id = uuid.uuid4().hex[:16]
+        self.affinity = self.session_id   # sent to remote servers; a fork keeps its parent's
         self.tools = {t.name: t for t in map(as_tool, tools)}
         if len(self.tools) != len(tools):
             raise ToolDefinitionError("tool names must be unique")
-        if tool_choice not in TOOL_CHOICES and tool_choice not in self.tools:
-            raise ToolDefinitionError(
-                f"tool_choice {tool_choice!r} is none of {TOOL_CHOICES} nor a tool's name")
+        self._check_choice(tool_choice)
         self.tool_choice = tool_choice
         self.output_type = output_type
         self._output, self._output_schema = _output_adapter(output_type)
@@ -129,10 +133,8 @@ class Agent:
         self.messages: list[dict[str, Any]] = (
             [{"role": "system", "content": instructions}] if instructions else [])
         self._schemas = [t.openai_schema() for t in self.tools.values()]
-        self._session: list[int] | None = None   # tokens the model saw, ending with its reply
-        self._replied = 0                         # messages the session covers
+        self._history: History | None = None      # local: tokens the model saw, to its reply
         self._pending: dict[str, ToolCall] = {}   # schema-only calls awaiting results
-        self._calls = itertools.count()
         self._closed = False
         self._busy = False
         self._turns = 0                           # user messages answered
@@ -142,16 +144,24 @@ class Agent:
         self._tracer = Tracer(self.name, runtime.model_name)
         self._held: list[Pin | None] = [None]     # the session's pin (shared with the finalizer)
         self._finalizer = weakref.finalize(self, _unpin, runtime, self._held)
+        if isinstance(runtime, RemoteRuntime):
+            runtime.check_agent(speculative=speculative, reuse_kv=reuse_kv)
         for choice in ({"auto", tool_choice} if self.tools else {"none"}):
-            runtime.grammars.constraint(self._spec(choice))  # malformed schemas fail here
+            check_output(runtime, self._schemas, choice, self._output_schema)  # bad schemas
 
     # ---- public ---------------------------------------------------------------------------
 
-    async def step(self, message: str | None = None) -> Step:
+    async def step(self, message: str | None = None, *, tool_choice: str | None = None) -> Step:
         """One model turn on `message` (or on the tool results added since the last step),
-        then the tools it called. Raises on bad input; the agent is then unchanged."""
+        then the tools it called. Raises on bad input; the agent is then unchanged.
+
+        tool_choice: this step's ("none" to answer from the tool results so far, "required",
+        a tool's name); by default the agent's for a reply to a message, "auto" after tool
+        results (a forced call on every step would never end)."""
+        if tool_choice is not None:
+            self._check_choice(tool_choice)
         step = None
-        async for event in self._step(message):
+        async for event in self._step(message, tool_choice):
             if isinstance(event, StepEvent):
                 step = event.step
         assert step is not None
@@ -215,18 +225,21 @@ class Agent:
         child._own_log = None   # the parent owns (and closes) its log file
         child._tracer = Tracer(child.name, self.runtime.model_name)
         child.messages = copy.deepcopy(self.messages)
-        child._session = list(self._session) if self._session is not None else None
         child._pending = dict(self._pending)
-        child._calls = itertools.count(next(copy.copy(self._calls)))
-        child._held = [self.runtime.share_pin(self._held[0])]
+        child._held = [None]
+        if self._held[0] is not None:
+            child._held[0] = pin = self.runtime.share_pin(self._held[0])
+            self.runtime.keep(pin)
         child._finalizer = weakref.finalize(child, _unpin, self.runtime, child._held)
-        self.runtime.keep(child._held[0])
         return child
 
     async def close(self) -> None:
-        """Release the session's KV. The agent cannot step afterwards."""
+        """Release the session's KV (on `agentflash serve` too). The agent cannot step
+        afterwards."""
         self._closed = True
         self._finalizer()
+        if isinstance(self.runtime, RemoteRuntime) and self._steps:
+            await self.runtime.end_session(self.session_id)
         if self._own_log is not None:
             self._own_log.close()
 
@@ -238,11 +251,16 @@ class Agent:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _spec(self, tool_choice: str) -> OutputSpec:
-        return OutputSpec(tuple(self._schemas), tool_choice, self._output_schema,
-                          self.runtime.chat.call_format)
+    def _request(self, tool_choice: str) -> ChatRequest:
+        return ChatRequest(
+            tuple(self.messages), tuple(self._schemas), tool_choice,
+            output_schema=self._output_schema, params=self.params,
+            max_tokens=self.params.max_new_tokens, truncate=True, pin=self.reuse_kv,
+            speculative=self.speculative, constrained=self.constrained, reuse=self.reuse_kv,
+            history=self._history, session=self.session_id, affinity=self.affinity)
 
-    async def _step(self, message: str | None) -> AsyncIterator[Event]:
+    async def _step(self, message: str | None,
+                    tool_choice: str | None = None) -> AsyncIterator[Event]:
         self._check_open()
         if self._busy:
             raise AgentflashError("a step of this agent is already running")
@@ -250,82 +268,61 @@ class Agent:
             raise MissingToolResultError(
                 f"tool calls {sorted(self._pending)} wait for results: call add_tool_result "
                 "for each before the next step")
-        rt, chat = self.runtime, self.runtime.chat
-        saved = (len(self.messages), self._session, self._replied)
+        saved = (len(self.messages), self._history)
         self._busy = True
         t0 = time.perf_counter()
         start_ns = time.time_ns()
         committed = False
-        gen: Generation | None = None
         try:
             if message is not None:
                 self.messages.append({"role": "user", "content": message})
-            # tool_choice applies to the reply to a user message; after tool results, "auto"
-            # (a forced call on every step would never end)
-            constraint = rt.grammars.constraint(
-                self._spec(self.tool_choice if message is not None else "auto")
-            ) if self.constrained else None
-            prompt = chat.prompt(self._session, self._replied, self.messages, self._schemas)
-            gen = rt.generate(prompt, self.params, pin=self.reuse_kv,
-                              speculative=self.speculative, constraint=constraint,
-                              reuse=self.reuse_kv)
-            parser = ToolCallParser(chat.call_format)
-            detok = Detokenizer(chat.decode, rt.eos_ids)
-            output: list[int] = []
-            async for update in gen:
-                output.extend(update.new_token_ids)
-                for event in parser.feed(detok.add(update.new_token_ids)):
-                    if isinstance(event, TextDelta) and event.text:
-                        yield TextEvent(event.text)
-            done = gen.completion
-            assert done is not None
-            if done.error is not None:
-                raise done.error
+            if tool_choice is None:
+                tool_choice = self.tool_choice if message is not None else "auto"
+            turn = chat(self.runtime, self._request(tool_choice))
+            reply: ChatReply | None = None
+            async for event in turn.events():
+                if isinstance(event, TextChunk) and event.text:
+                    yield TextEvent(event.text)
+                elif isinstance(event, ChatReply):
+                    reply = event
+            assert reply is not None
             # the reply is part of the conversation from here on
             committed = True
-            self._swap_pin(done.pin)
-            # the reply ends with the end-of-turn token in the session, whether it stopped there,
-            # at another eos (<|endoftext|>) or at the token budget
-            ended = bool(output) and output[-1] in rt.eos_ids
-            reply_ids = (output[:-1] if ended else output) + [chat.eos_token_id]
-            self._session = prompt + reply_ids
-            parser.feed(detok.flush())
-            tail = parser.finish()
-            calls = [ToolCall(f"call_{next(self._calls)}", c.name, c.arguments)
-                     for c in parser.calls]
-            malformed = [e for e in tail if isinstance(e, MalformedToolCall)]
-            text = parser.text.strip()
+            self._swap_pin(reply.pin)
+            self._history = reply.history
+            calls = reply.tool_calls
             for call in calls:
                 yield ToolCallEvent(call)
+            text = reply.text or ""
             self.messages.append(_assistant_message(text, calls))
-            self._replied = len(self.messages)
             t_tools = time.perf_counter()
             results = await self._run_tools(calls)
-            tool_s = time.perf_counter() - t_tools
+            usage = reply.usage
+            usage.timing.tool_s = time.perf_counter() - t_tools
+            usage.timing.total_s = time.perf_counter() - t0
             for result in results:
                 self.messages.append(_tool_message(result))
                 yield ToolResultEvent(result)
             is_final = not calls
-            usage = Usage.from_counters(
-                done.counters, len(prompt), len(output), rt.target_params, rt.draft_params,
-                rt.engine.block_size, str(rt.engine.device), tool_s, time.perf_counter() - t0,
-                rt.pricing, rt.plain_step_s(len(prompt) + len(output) // 2))
             self._turns += message is not None
             self._steps += 1
-            step = Step(text, calls, results, None, is_final, usage, done.finish_reason,
-                        malformed)
+            finish = "length" if reply.finish_reason == "length" else "stop"
+            step = Step(text, calls, results, None, is_final, usage, finish, reply.malformed)
             self._record(step, start_ns)
-            step.output = self._final_output(text, done.finish_reason) if is_final else None
+            step.output = self._final_output(text, finish) if is_final else None
             yield StepEvent(step)
         except BaseException:
             if not committed:
                 del self.messages[saved[0]:]
-                self._session, self._replied = saved[1], saved[2]
+                self._history = saved[1]
             raise
         finally:
             self._busy = False
-            if gen is not None:
-                gen.cancel()  # no-op once finished; otherwise frees what it holds
+
+    def _check_choice(self, tool_choice: str) -> None:
+        if tool_choice not in TOOL_CHOICES and tool_choice not in self.tools:
+            raise ToolDefinitionError(
+                f"tool_choice {tool_choice!r} is none of {TOOL_CHOICES} nor a tool's name")
 
     def _record(self, step: Step, start_ns: int) -> None:
         """Write the step to the run log and emit its spans."""
@@ -375,10 +372,11 @@ class Agent:
 
     def _swap_pin(self, pin: Pin | None) -> None:
         old, self._held[0] = self._held[0], pin
-        self.runtime.unpin(old)
+        if old is not None:
+            self.runtime.unpin(old)
         if self._closed:
             self._finalizer()
-        else:
+        elif pin is not None:
             self.runtime.keep(pin)
 
     def _check_open(self) -> None:
@@ -411,10 +409,12 @@ def _tool_message(result: ToolResult) -> dict[str, Any]:
             "content": result.content}
 
 
-def _unpin(runtime: Runtime, held: list[Pin | None]) -> None:
+def _unpin(runtime: Runtime | RemoteRuntime, held: list[Pin | None]) -> None:
     pin, held[0] = held[0], None
+    if pin is None:
+        return
     try:
-        runtime.unpin(pin)
+        runtime.unpin(pin)  # type: ignore[union-attr]  # a pin comes from a local runtime
     except AgentClosedError:
         pass  # the runtime is gone, and its pool with it
 

@@ -1,15 +1,15 @@
-"""One OpenAI-shaped chat turn on a Runtime: the surface the server and the framework adapters
-share.
+"""One chat turn on a runtime: the surface the Agent, the server and the framework adapters
+share, whichever runtime is underneath.
 
-A `ChatRequest` holds what an OpenAI chat completion request says (messages, tools, tool_choice,
-parallel_tool_calls, an output schema, sampling, stop, a prediction). `chat()` checks it and
-renders its prompt token-faithfully (agentflash.history: a resent history continues from the
-exact tokens of the replies this runtime produced), raising typed errors before anything runs;
-the returned `ChatTurn.events()` constrains tool calls and JSON output with the same grammars as
-the Agent SDK (agentflash.structured), runs one generation and streams `TextChunk`s and
-`CallChunk`s, then a `ChatReply` with the assistant message, the finish reason and the usage,
-and remembers the reply's tokens for the next turn. `complete()` is the raw-text counterpart.
-Cancelling the iterating task aborts the generation and frees its KV.
+`chat()` takes a `ChatRequest` (agentflash.request) and checks it, raising typed errors before
+anything runs. On a remote runtime it hands the request to agentflash.remote. On the local one
+it renders the prompt token-faithfully: from the request's `History` (the Agent's exact tokens),
+else through agentflash.history (a resent history continues from the exact tokens of the replies
+this runtime produced). The returned `ChatTurn.events()` constrains tool calls and JSON output
+with the same grammars as everywhere (agentflash.structured), runs one generation and streams
+`TextChunk`s and `CallChunk`s, then a `ChatReply` with the assistant message, the finish
+reason and the usage, and remembers the reply's tokens for the next turn. `complete()` is the
+raw-text counterpart. Cancelling the iterating task aborts the generation and frees its KV.
 """
 
 from __future__ import annotations
@@ -20,121 +20,19 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncGenerator, AsyncIterator, Sequence
 
-from agentflash.engine.kv.manager import Pin
 from agentflash.engine.sampler import SamplingParams
 
 from .detokenizer import Detokenizer
-from .errors import ContextLengthError, RequestError, ToolDefinitionError
+from .errors import ContextLengthError
 from .history import message_text
+from .remote import RemoteRuntime
+from .request import (CallChunk, ChatEvent, ChatReply, ChatRequest, History, TextChunk, Turn,
+                      output_schema_of, reply_message, tool_choice_of)
 from .runtime import Runtime
 from .step import ToolCall
-from .structured import TOOL_CHOICES, OutputSpec
-from .tool import Tool
-from .toolcall_parser import CLOSE, ParsedToolCall, TextDelta, ToolCallParser
+from .structured import OutputSpec
+from .toolcall_parser import CLOSE, MalformedToolCall, ParsedToolCall, TextDelta, ToolCallParser
 from .usage import Usage
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """An OpenAI chat completion request, checked (`checked()` raises typed errors)."""
-
-    messages: tuple[dict[str, Any], ...]
-    tools: tuple[dict[str, Any], ...] = ()      # OpenAI function tools
-    tool_choice: str = "auto"                   # "auto" | "required" | "none" | a tool's name
-    parallel_tool_calls: bool = True
-    output_schema: dict[str, Any] | None = None  # response_format json_schema / json_object
-    params: SamplingParams = SamplingParams()
-    prediction: str | None = None               # Predicted Outputs: expected output text
-    max_tokens: int | None = None               # None: DEFAULT_MAX_TOKENS, capped by context
-    pin: bool = False                           # keep the conversation's KV pinned after
-    speculative: bool = True
-
-    def checked(self) -> ChatRequest:
-        """This request with tools in the OpenAI shape; raises RequestError, ToolSchemaError
-        or ToolDefinitionError for what cannot run."""
-        if not self.messages:
-            raise RequestError("messages must not be empty")
-        for i, m in enumerate(self.messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise RequestError(f"messages[{i}] has no valid role (one of {', '.join(ROLES)})")
-        tools = tuple(Tool.from_schema(t).openai_schema() for t in self.tools)
-        names = [t["function"]["name"] for t in tools]
-        if len(set(names)) != len(names):
-            raise ToolDefinitionError("tool names must be unique")
-        if self.tool_choice not in TOOL_CHOICES:
-            if self.tool_choice not in names:
-                raise ToolDefinitionError(
-                    f"tool_choice names the tool {self.tool_choice!r}, which is not among the "
-                    f"request's tools ({', '.join(names) or 'none'})")
-        elif self.tool_choice == "required" and not tools:
-            raise ToolDefinitionError('tool_choice "required" needs at least one tool')
-        return replace(self, tools=tools)
-
-
-def tool_choice_of(choice: str | dict[str, Any] | None, has_tools: bool) -> str:
-    """ChatRequest.tool_choice from OpenAI's: "auto" | "required" | "none" | {"type":
-    "function", "function": {"name": ...}} | None (auto with tools, none without)."""
-    if choice is None:
-        return "auto" if has_tools else "none"
-    if isinstance(choice, str):
-        if choice not in TOOL_CHOICES:
-            raise ToolDefinitionError(f'tool_choice must be "auto", "required", "none" or a '
-                                      f"named function, got {choice!r}")
-        return choice
-    name = (choice.get("function") or {}).get("name") \
-        if isinstance(choice, dict) and choice.get("type") == "function" else None
-    if not isinstance(name, str):
-        raise ToolDefinitionError('a named tool_choice is {"type": "function", "function": '
-                                  f'{{"name": ...}}}}, got {choice!r}')
-    return name
-
-
-def output_schema_of(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
-    """ChatRequest.output_schema from OpenAI's response_format: None or "text" (free text),
-    "json_object" (any object) or "json_schema" (its `schema`)."""
-    kind = (response_format or {}).get("type", "text")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "object"}
-    schema = ((response_format or {}).get("json_schema") or {}).get("schema")
-    if kind != "json_schema" or not isinstance(schema, dict):
-        raise RequestError('response_format is {"type": "json_schema", "json_schema": {"name": '
-                           '..., "schema": {...}}}, "json_object" or "text"; got '
-                           f'{response_format!r}')
-    return schema
-
-
-@dataclass(frozen=True)
-class TextChunk:
-    """Visible text of the reply; the first (empty) one marks the reply's first token."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class CallChunk:
-    """A complete tool call, the `index`-th of the reply."""
-
-    index: int
-    call: ToolCall
-
-
-@dataclass
-class ChatReply:
-    text: str | None                     # None when the reply is only tool calls
-    tool_calls: list[ToolCall]
-    finish_reason: str                   # "stop" | "length" | "tool_calls"
-    usage: Usage
-    message: dict[str, Any]              # the assistant message, as a client resends it
-    pin: Pin | None = None               # the conversation's KV, when the request pinned it
-    output_ids: list[int] = field(default_factory=list)
-
-
-ChatEvent = TextChunk | CallChunk | ChatReply
-
 
 def render_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates take them: text content, developer as system, tool-call
@@ -166,11 +64,14 @@ DEFAULT_MAX_TOKENS = 1024
 """Tokens a request may generate when it does not say (capped by what the context has left)."""
 
 
-def _budget(runtime: Runtime, prompt: list[int], max_tokens: int | None) -> int:
-    """The generation budget; ContextLengthError when the prompt (and what was asked for)
-    does not fit the context."""
+def _budget(runtime: Runtime, prompt: list[int], max_tokens: int | None,
+            truncate: bool = False) -> int:
+    """The generation budget; ContextLengthError when the prompt (and what was asked for,
+    unless `truncate`: then at most what the context has room for) does not fit the context."""
     limit = runtime.engine.max_model_len
     room = limit - len(prompt)
+    if truncate and max_tokens is not None and room >= 1:
+        max_tokens = min(max_tokens, room)
     if room < 1 or (max_tokens is not None and max_tokens > room):
         asked = f" and {max_tokens} to generate" if max_tokens is not None else ""
         raise ContextLengthError(
@@ -187,12 +88,19 @@ class ChatTurn:
         self.runtime, self.request = runtime, request
         spec = OutputSpec(request.tools, request.tool_choice, request.output_schema,
                           runtime.chat.call_format)
-        self.constraint = runtime.grammars.constraint(spec)   # ToolSchemaError: bad schema
+        self.constraint = runtime.grammars.constraint(spec) \
+            if request.constrained else None                 # ToolSchemaError: bad schema
         self.messages = render_messages(request.messages)
-        self.prompt, self.remembered = runtime.replies.prompt(self.messages, request.tools)
-        params = replace(request.params,
-                         max_new_tokens=_budget(runtime, self.prompt, request.max_tokens))
-        self.calls_allowed = bool(request.tools) and request.tool_choice != "none"
+        history = request.history
+        if history is not None:
+            self.prompt = runtime.chat.prompt(list(history.tokens), history.messages,
+                                              self.messages, list(request.tools))
+            self.remembered = len(history.tokens)
+        else:
+            self.prompt, self.remembered = runtime.replies.prompt(self.messages, request.tools)
+        params = replace(request.params, max_new_tokens=_budget(
+            runtime, self.prompt, request.max_tokens, request.truncate))
+        self.calls_allowed = request.calls_allowed
         if self.calls_allowed and not request.parallel_tool_calls \
                 and runtime.chat.call_format == "hermes":
             params = replace(params, stop=(*params.stop, CLOSE))  # one call ends the turn
@@ -205,12 +113,13 @@ class ChatTurn:
         prediction = rt.chat.encode(request.prediction) if request.prediction else None
         gen = rt.generate(self.prompt, self.params, pin=request.pin,
                           speculative=request.speculative, constraint=self.constraint,
-                          prediction=prediction)
+                          reuse=request.reuse, prediction=prediction)
         parser = ToolCallParser(rt.chat.call_format)
         detok = Detokenizer(rt.chat.decode, rt.eos_ids)
         trim = StopTrim(request.params.stop)
         output: list[int] = []
         calls: list[ToolCall] = []
+        malformed: list[MalformedToolCall] = []
 
         def events(text: str, final: bool = False) -> list[ChatEvent]:
             out: list[ChatEvent] = []
@@ -225,6 +134,8 @@ class ChatTurn:
                     calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", event.name,
                                           event.arguments))
                     out.append(CallChunk(len(calls) - 1, calls[-1]))
+                elif isinstance(event, MalformedToolCall):
+                    malformed.append(event)
             return out
 
         try:
@@ -245,24 +156,34 @@ class ChatTurn:
         text = parser.text.strip()
         finish = "tool_calls" if calls else (
             "length" if done.finish_reason == "length" else "stop")
-        message: dict[str, Any] = {"role": "assistant", "content": text or None}
-        if calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {
-                    "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                for c in calls]
+        message = reply_message(text, calls)
         ended = bool(output) and output[-1] in rt.eos_ids
         reply_ids = (output[:-1] if ended else output) + [rt.chat.eos_token_id]
-        rt.replies.remember(self.messages, request.tools, render_messages([message])[0],
-                            self.prompt + reply_ids)
-        yield ChatReply(text or None, calls, finish, _usage(rt, done, len(self.prompt), output,
-                                                            t0), message, done.pin, output)
+        tokens = self.prompt + reply_ids
+        rt.replies.remember(self.messages, request.tools, render_messages([message])[0], tokens)
+        yield ChatReply(text or None, calls, finish,
+                        _usage(rt, done, len(self.prompt), output, t0), message, done.pin,
+                        output, History(tuple(tokens), len(request.messages) + 1), malformed)
 
 
-def chat(runtime: Runtime, request: ChatRequest) -> ChatTurn:
+def chat(runtime: Runtime | RemoteRuntime, request: ChatRequest) -> Turn:
     """Check and render `request` (raising RequestError, ToolSchemaError, ToolDefinitionError
     or ContextLengthError); iterate the turn's `events()` to run it."""
+    if isinstance(runtime, RemoteRuntime):
+        return runtime.turn(request.checked())
     return ChatTurn(runtime, request.checked())
+
+
+def check_output(runtime: Runtime | RemoteRuntime, tools: Sequence[dict[str, Any]],
+                 tool_choice: str, output_schema: dict[str, Any] | None) -> None:
+    """Raise ToolSchemaError when the runtime cannot constrain output to these tools and
+    schema (each compiled once and cached)."""
+    if isinstance(runtime, RemoteRuntime):
+        runtime.grammar(OutputSpec(tuple(tools), tool_choice, output_schema,
+                                   runtime.call_format))
+    else:
+        runtime.grammars.constraint(OutputSpec(tuple(tools), tool_choice, output_schema,
+                                               runtime.chat.call_format))
 
 
 @dataclass

@@ -17,7 +17,8 @@ from agentflash.engine.errors import (
 __all__ = [
     "AgentClosedError", "AgentflashError", "CheckpointError", "ContextLengthError",
     "DrafterMismatchError", "EngineError", "KVPoolExhaustedError", "MissingToolResultError",
-    "OutputValidationError", "RequestError", "ToolArgumentsError", "ToolDefinitionError",
+    "OutputValidationError", "RemoteAuthError", "RemoteError", "RemoteRequestError",
+    "RequestError", "ServerUnavailableError", "ToolArgumentsError", "ToolDefinitionError",
     "ToolSchemaError", "ToolTimeoutError", "UnsupportedModelError",
 ]
 
@@ -52,3 +53,25 @@ class OutputValidationError(AgentflashError, ValueError):
 
 class AgentClosedError(AgentflashError):
     """The agent (or its runtime) was closed; its KV is released."""
+
+
+class RemoteError(AgentflashError):
+    """A remote server (agentflash.remote) failed the request; `status` is its HTTP status
+    (None when no response came)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ServerUnavailableError(RemoteError, ConnectionError):
+    """The server could not be reached, timed out, or stayed overloaded (429/503) through
+    every retry."""
+
+
+class RemoteAuthError(RemoteError, PermissionError):
+    """The server refused the API key (401/403)."""
+
+
+class RemoteRequestError(RemoteError, RequestError):
+    """The server rejected the request as malformed (400/404/422: e.g. an unknown model)."""

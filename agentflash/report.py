@@ -4,7 +4,8 @@ Reads the JSONL log of agentflash/telemetry.py ("step" records carrying a `Usage
 records per tool call; other record types are ignored) and draws header totals, the latency
 split and tokens of every step, speculative acceptance, cumulative cost and savings, and tables
 per agent and per tool. The page has inline CSS and SVG drawn here, no scripts and nothing
-fetched: tooltips are SVG <title>s. Every string from the log is HTML-escaped.
+fetched: tooltips are SVG <title>s. Every string from the log is HTML-escaped. A number a remote
+server did not report (None in the usage) shows as "not reported", never as zero.
 
     write_report("run.jsonl", "run.html")
 """
@@ -126,16 +127,16 @@ def _header(steps: list[StepRecord], tools: list[ToolRecord], total: Usage, span
          _count(turns, "turn") + (f" · {cut} cut at length" if cut else "")),
         ("Tool calls", _int(len(tools)), _count(errors, "error")),
         ("Wall span", _dur(span_s), f"step time {_dur(total.timing.total_s)}"),
-        ("Prompt tokens", _int(total.prompt_tokens),
-         f"cached {_pct(_ratio(total.prompt_tokens_details.cached_tokens, total.prompt_tokens))}"),
+        ("Prompt tokens", _int(total.prompt_tokens), f"cached {_cached(total)}"),
         ("Completion tokens", _int(total.completion_tokens),
-         f"{_int(spec.accepted_tokens)} from drafts"
-         if spec.drafts else ""),
-        ("Mean acceptance τ", f"{spec.mean_acceptance_length:.2f}" if spec.drafts
-         else "speculation off", _count(spec.drafts, "verify step") if spec.drafts else ""),
-        ("Cost", _usd(cost.usd) if cost.usd > 0 else "no pricing set",
+         f"{_int(spec.accepted_tokens)} from drafts" if spec and spec.drafts else ""),
+        ("Mean acceptance τ", UNREPORTED if spec is None else
+         f"{spec.mean_acceptance_length:.2f}" if spec.drafts else "speculation off",
+         _count(spec.drafts, "verify step") if spec and spec.drafts else ""),
+        ("Cost", UNREPORTED if cost is None else
+         _usd(cost.usd) if cost.usd > 0 else "no pricing set",
          f"saved: cache {_usd(cost.saved_by_cache_usd)} · speculation "
-         f"{_usd(cost.saved_by_speculation_usd)}" if cost.usd > 0 else ""),
+         f"{_usd(cost.saved_by_speculation_usd)}" if cost and cost.usd > 0 else ""),
     ]
     return '<div class="tiles">' + "".join(
         f'<div class="tile"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
@@ -144,13 +145,17 @@ def _header(steps: list[StepRecord], tools: list[ToolRecord], total: Usage, span
 
 def _latency(steps: list[StepRecord]) -> str:
     t = [s.usage.timing for s in steps]
-    series = [Series("queue", "#9aa5b1", [x.queue_s for x in t]),
-              Series("prefill", "#4e79a7", [x.prefill_s for x in t]),
+    # a remote step's queue and prefill are not reported: its time to first token is "prefill"
+    queue = [x.queue_s or 0.0 for x in t]
+    prefill = [x.prefill_s if x.prefill_s is not None else x.ttft_s for x in t]
+    series = [Series("queue", "#9aa5b1", queue),
+              Series("prefill", "#4e79a7", prefill),
               Series("decode", "#59a14f", [x.decode_s for x in t]),
               Series("tools", "#f28e2b", [x.tool_s for x in t]),
-              Series("other", "#c9ced6", [max(0.0, x.total_s - x.queue_s - x.prefill_s
-                                                 - x.decode_s - x.tool_s) for x in t])]
-    return _section("Latency per step", "Where each step's time went; other = total − the rest.",
+              Series("other", "#c9ced6", [max(0.0, x.total_s - q - p - x.decode_s - x.tool_s)
+                                          for x, q, p in zip(t, queue, prefill)])]
+    return _section("Latency per step", "Where each step's time went; other = total − the rest "
+                    "(on a remote server, prefill is the time to first token seen by the client).",
                     _legend(series) + _bar_chart([s.label for s in steps], series, "seconds",
                                                  _secs, "step (agent, turn, step)"))
 
@@ -159,9 +164,12 @@ def _tokens(steps: list[StepRecord]) -> str:
     labels = [s.label for s in steps]
     u = [s.usage for s in steps]
     cached = [x.prompt_tokens_details.cached_tokens for x in u]
-    prompt = [Series("cached (KV reused)", "#76b7b2", cached),
-              Series("computed", "#4e79a7", [max(0, x.prompt_tokens - c)
+    prompt = [Series("cached (KV reused)", "#76b7b2", [c or 0 for c in cached]),
+              Series("computed", "#4e79a7", [max(0, x.prompt_tokens - c) if c is not None else 0
                                              for x, c in zip(u, cached)])]
+    if None in cached:
+        prompt.append(Series("cache not reported", "#c9ced6",
+                             [x.prompt_tokens if c is None else 0 for x, c in zip(u, cached)]))
     completion = [Series("completion", "#b07aa1", [x.completion_tokens for x in u])]
     return _section("Tokens per step", "Prompt tokens served from kept KV vs computed, and "
                     "tokens generated.",
@@ -173,6 +181,9 @@ def _tokens(steps: list[StepRecord]) -> str:
 
 def _speculation(total: Usage) -> str:
     spec = total.speculative
+    if spec is None:
+        return _section("Speculative decoding", "",
+                        '<p class="note">Not reported by the server.</p>')
     if not spec.drafts:
         return _section("Speculative decoding", "",
                         '<p class="note">Speculation off: no draft blocks were verified.</p>')
@@ -196,9 +207,12 @@ def _speculation(total: Usage) -> str:
 
 
 def _cost(steps: list[StepRecord], total: Usage) -> str:
+    if total.cost is None:
+        return _section("Cost", "", '<p class="note">Not known: a step\'s cost was not '
+                        'reported (remote compute, or cached tokens not reported).</p>')
     if total.cost.usd <= 0:
         return _section("Cost", "", '<p class="note">No pricing set: every step cost $0.</p>')
-    c = [s.usage.cost for s in steps]
+    c = [s.usage.cost for s in steps if s.usage.cost is not None]
     series = [Series("cost", "#e15759", _cumsum([x.usd for x in c])),
               Series("saved by cache", "#76b7b2", _cumsum([x.saved_by_cache_usd for x in c])),
               Series("saved by speculation", "#59a14f",
@@ -218,11 +232,10 @@ def _agents(steps: list[StepRecord], tools: list[ToolRecord]) -> str:
         u = Usage.sum([s.usage for s in mine])
         rows.append([f'<span title="{_e(agent_id)}">{_e(mine[0].agent_name)}</span>',
                      _int(len(mine)), _int(calls[agent_id]), _errors(errors[agent_id]),
-                     _int(u.prompt_tokens),
-                     _pct(_ratio(u.prompt_tokens_details.cached_tokens, u.prompt_tokens)),
-                     _int(u.completion_tokens),
-                     f"{u.speculative.mean_acceptance_length:.2f}" if u.speculative.drafts
-                     else "–", _dur(u.timing.total_s), _usd(u.cost.usd)])
+                     _int(u.prompt_tokens), _cached(u), _int(u.completion_tokens),
+                     f"{u.speculative.mean_acceptance_length:.2f}"
+                     if u.speculative and u.speculative.drafts else "–",
+                     _dur(u.timing.total_s), _usd(u.cost.usd) if u.cost else UNREPORTED])
     return _section("Agents", "", _table(["Agent", "Steps", "Tool calls", "Errors",
                                           "Prompt tokens", "Cached", "Completion tokens", "τ",
                                           "Step time", "Cost"], rows))
@@ -389,6 +402,14 @@ def _cumsum(xs: list[float]) -> list[float]:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
+
+
+UNREPORTED = "not reported"
+
+
+def _cached(u: Usage) -> str:
+    cached = u.prompt_tokens_details.cached_tokens
+    return UNREPORTED if cached is None else _pct(_ratio(cached, u.prompt_tokens))
 
 
 def _e(s: str) -> str:

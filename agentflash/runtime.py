@@ -35,6 +35,7 @@ from .chat import ChatFormat
 from .embedded import model_drafter_dir, resolve_model
 from .errors import AgentClosedError, CheckpointError, KVPoolExhaustedError
 from .history import ReplyMemory
+from .remote import RemoteRuntime
 from .structured import GrammarCompiler
 from .telemetry import RunLog
 from .tokenizer import load_tokenizer
@@ -238,6 +239,15 @@ class Runtime:
         return _off_this_thread(lambda: cls._load(
             model, draft, device, dtype, cache, scheduler, block_size, session_ttl, pricing, log,
             speculation, quantize, compile))
+
+    @staticmethod
+    def connect(base_url: str, model: str | None = None, api_key: str | None = None,
+                **options: Any) -> RemoteRuntime:
+        """The Agent-facing surface of `load`, over an OpenAI-compatible server (vLLM, SGLang,
+        `agentflash serve`): an `Agent` takes the returned `RemoteRuntime` in place of a local
+        runtime. `options`: those of `RemoteRuntime.connect` (server, call_format, timeout_s,
+        retries, backoff_s, session_ttl, pricing, log)."""
+        return RemoteRuntime.connect(base_url, model, api_key, **options)
 
     @classmethod
     def _load(

@@ -106,18 +106,22 @@ class Tracer:
             "gen_ai.usage.output_tokens": u.completion_tokens,
             "gen_ai.usage.cache_read.input_tokens": u.prompt_tokens_details.cached_tokens,
         }
-        details = {
-            "accepted_prediction_tokens": u.completion_tokens_details.accepted_prediction_tokens,
-            "rejected_prediction_tokens": u.completion_tokens_details.rejected_prediction_tokens,
-            "drafts": u.speculative.drafts,
-            "mean_acceptance_length": u.speculative.mean_acceptance_length,
-            "prefill_tokens_computed": u.compute.prefill_tokens_computed,
-            "target_forwards": u.compute.target_forwards,
+        predicted, spec, compute, cost = (u.completion_tokens_details, u.speculative, u.compute,
+                                          u.cost)
+        details = {  # what a remote server does not report stays out (None)
+            "accepted_prediction_tokens": predicted and predicted.accepted_prediction_tokens,
+            "rejected_prediction_tokens": predicted and predicted.rejected_prediction_tokens,
+            "drafts": spec and spec.drafts,
+            "mean_acceptance_length": spec and spec.mean_acceptance_length,
+            "prefill_tokens_computed": compute and compute.prefill_tokens_computed,
+            "target_forwards": compute and compute.target_forwards,
             "ttft_s": u.timing.ttft_s,
-            "cost_usd": u.cost.usd,
-            "saved_by_cache_usd": u.cost.saved_by_cache_usd,
-            "saved_by_speculation_usd": u.cost.saved_by_speculation_usd,
+            "cost_usd": cost and cost.usd,
+            "saved_by_cache_usd": cost and cost.saved_by_cache_usd,
+            "saved_by_speculation_usd": cost and cost.saved_by_speculation_usd,
         }
+        attributes = {k: v for k, v in attributes.items() if v is not None}
+        details = {k: v for k, v in details.items() if v is not None}
         attributes |= {f"gen_ai.usage.details.{k}": v for k, v in details.items()}
         model_end = start_ns + int(1e9 * (u.timing.total_s - u.timing.tool_s))
         span = self._tracer.start_span(f"chat {self.model}", context=context,

@@ -17,6 +17,11 @@ Cost comes from a `Pricing`:
   more than it saved).
 - per 1M tokens (an API price sheet): input, cached input and output tokens. Caching saves
   the input/cached-input difference; speculation does not change a token bill (saves 0).
+
+A step on a remote server (agentflash.remote) has only what the server reports and what the
+client measures: a number the server does not report is None (a section the server does not
+report at all, e.g. `speculative` or `compute`, is None), never estimated. A sum is None where
+any of its terms is.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from agentflash.engine.sequence import SeqCounters
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int | None = 0
 
 
 class CompletionTokensDetails(BaseModel):
@@ -60,11 +65,11 @@ class Compute(BaseModel):
 
 
 class Timing(BaseModel):
-    queue_s: float = 0.0                 # submitted -> KV reserved, first forward
+    queue_s: float | None = 0.0          # submitted -> KV reserved, first forward
     ttft_s: float = 0.0                  # submitted -> first token
-    prefill_s: float = 0.0               # admitted -> first token
+    prefill_s: float | None = 0.0        # admitted -> first token
     decode_s: float = 0.0                # first token -> finished
-    grammar_s: float = 0.0               # output-constraint masks and matcher updates
+    grammar_s: float | None = 0.0        # output-constraint masks and matcher updates
     tool_s: float = 0.0                  # the step's tools (run concurrently: wall time)
     total_s: float = 0.0                 # the whole step
 
@@ -98,19 +103,31 @@ class Cost(BaseModel):
     saved_by_speculation_usd: float = 0.0    # target forwards avoided, net of drafting/rejects
 
     @classmethod
+    def of_tokens(cls, pricing: Pricing, prompt_tokens: int, cached_tokens: int | None,
+                  completion_tokens: int) -> Cost | None:
+        """The bill under per-1M token prices; None when the cached tokens are unknown."""
+        if cached_tokens is None:
+            return None
+        assert pricing.input_per_1m is not None and pricing.cached_input_per_1m is not None \
+            and pricing.output_per_1m is not None
+        per = 1e-6
+        fresh = prompt_tokens - cached_tokens
+        return cls(
+            usd=per * (fresh * pricing.input_per_1m + cached_tokens * pricing.cached_input_per_1m
+                       + completion_tokens * pricing.output_per_1m),
+            saved_by_cache_usd=per * cached_tokens * (pricing.input_per_1m
+                                                     - pricing.cached_input_per_1m))
+
+    @classmethod
     def of(cls, pricing: Pricing | None, c: SeqCounters, prompt_tokens: int,
            completion_tokens: int, plain_decode_s: float) -> Cost:
         """The cost of one generation; `plain_decode_s` is a plain decode step's time."""
         if pricing is None:
             return cls()
         if pricing.usd_per_hour is None:
-            per = 1e-6
-            fresh = prompt_tokens - c.cached_tokens
-            return cls(
-                usd=per * (fresh * pricing.input_per_1m + c.cached_tokens *
-                           pricing.cached_input_per_1m + completion_tokens * pricing.output_per_1m),
-                saved_by_cache_usd=per * c.cached_tokens * (pricing.input_per_1m -
-                                                            pricing.cached_input_per_1m))
+            cost = cls.of_tokens(pricing, prompt_tokens, c.cached_tokens, completion_tokens)
+            assert cost is not None
+            return cost
         rate = pricing.usd_per_hour / 3600
         per_prefill_token = c.prefill_compute_s / c.prefill_tokens if c.prefill_tokens else 0.0
         plain_steps = c.decode_tokens - c.draft_forwards - c.draft_tokens  # verify fed 1 + drafts
@@ -128,17 +145,22 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-    completion_tokens_details: CompletionTokensDetails = Field(
+    completion_tokens_details: CompletionTokensDetails | None = Field(
         default_factory=CompletionTokensDetails)
-    speculative: Speculative = Field(default_factory=Speculative)
-    compute: Compute = Field(default_factory=Compute)
+    speculative: Speculative | None = Field(default_factory=Speculative)
+    compute: Compute | None = Field(default_factory=Compute)
     timing: Timing = Field(default_factory=Timing)
-    cost: Cost = Field(default_factory=Cost)
+    cost: Cost | None = Field(default_factory=Cost)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens served from the prefix cache (None: the server does not say)."""
+        return self.prompt_tokens_details.cached_tokens
 
     @classmethod
     def from_counters(cls, c: SeqCounters, prompt_tokens: int, completion_tokens: int,
@@ -194,6 +216,9 @@ def _add(a: dict, b: dict) -> dict:
         y = b[key]
         if key in ("total_tokens", "mean_acceptance_length"):
             continue  # derived: recomputed from the sums
+        if x is None or y is None:
+            out[key] = None  # not reported by one of the terms: unknown in the sum
+            continue
         if key == "acceptance_histogram":
             out[key] = {k: x.get(k, 0) + y.get(k, 0) for k in sorted({*x, *y})}
         elif isinstance(x, dict):

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -36,6 +40,44 @@ def rt():
     runtime = Runtime.load()
     yield runtime
     runtime.close()
+
+
+@contextmanager
+def running(app: Any) -> Iterator[str]:
+    """uvicorn serving `app` on a free 127.0.0.1 port in a thread; yields the base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def assert_clean(rt: Any, timeout: float = 10.0) -> None:
+    """No request left running and no page pinned or referenced (aborts settle on the engine
+    thread, so give them a moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = rt.stats()
+        clean = (stats["pages_pinned"] == 0 and stats["pages_referenced"] == 0
+                 and stats["running"] == 0 and stats["waiting"] == 0)
+        if clean or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert clean, stats
+    rt._call(rt.engine.kv.check_integrity)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -95,7 +95,7 @@ async def test_a_reply_ended_by_another_eos_closes_its_turn(rt, tmp_path):
 
     async with Agent(rt, "You are a helpful assistant.", max_tokens=24) as agent:
         step = await agent.step("Say hello.")
-        reply = agent._session[step.usage.prompt_tokens:]
+        reply = list(agent._history.tokens)[step.usage.prompt_tokens:]
     # a token first written after the reply's start, and not an eos already
     cut = next(k for k, t in enumerate(reply)
                if k >= 2 and t not in reply[:k] and t not in rt.eos_ids)
@@ -109,7 +109,8 @@ async def test_a_reply_ended_by_another_eos_closes_its_turn(rt, tmp_path):
         async with Agent(runtime, "You are a helpful assistant.", max_tokens=24) as agent:
             first = await agent.step("Say hello.")
             assert first.usage.completion_tokens == cut + 1
-            assert agent._session[-cut - 1:] == reply[:cut] + [runtime.chat.eos_token_id]
+            tokens = list(agent._history.tokens)
+            assert tokens[-cut - 1:] == reply[:cut] + [runtime.chat.eos_token_id]
             second = await agent.step("Thanks.")
             assert second.usage.prompt_tokens_details.cached_tokens == \
                 first.usage.prompt_tokens + cut
@@ -161,6 +162,25 @@ async def test_structured_output(rt):
         step = await agent.step("Give the largest city of France as JSON.")
     assert step.is_final and isinstance(step.output, City)
     assert City.model_validate_json(step.message) == step.output
+
+
+@pytest.mark.anyio
+async def test_a_step_may_set_its_own_tool_choice(rt):
+    """After a forced call, tool_choice="none" for one step answers from the tool result, in
+    the output type (the embedded model would call tools for as long as it may)."""
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=32)
+        country: str = pydantic.Field(max_length=32)
+
+    async with Agent(rt, "Answer in JSON.", tools=[add], output_type=City, tool_choice="add",
+                     max_tokens=256) as agent:
+        first = await agent.step("Give the largest city of France as JSON.")
+        assert first.tool_calls[0].name == "add" and not first.is_final
+        final = await agent.step(tool_choice="none")
+        assert final.is_final and not final.tool_calls and isinstance(final.output, City)
+        with pytest.raises(ToolDefinitionError):
+            await agent.step("Again.", tool_choice="subtract")
+        assert agent.messages[-1]["role"] == "assistant"   # the bad step changed nothing
 
 
 @pytest.mark.anyio
@@ -388,8 +408,8 @@ async def test_llama_json_tool_calls_are_constrained_and_parsed():
             step = await agent.step("Add 2 and 3.")
             assert [c.name for c in step.tool_calls] == ["add"]
             assert step.tool_results[0].error is None
-            assert agent._session is not None
-            reply = tokenizer.decode(agent._session[-step.usage.completion_tokens:])
+            assert agent._history is not None
+            reply = tokenizer.decode(list(agent._history.tokens)[-step.usage.completion_tokens:])
             assert reply.startswith('{"name": "add", "parameters": {')
             nxt = await agent.step("Thanks.")
             assert nxt.usage.prompt_tokens_details.cached_tokens > step.usage.prompt_tokens

@@ -7,24 +7,21 @@ client that disconnects mid-stream, and a KV pool left clean after each test."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import anyio
 import httpx2 as httpx  # the openai client's HTTP library
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
 from agentflash import Runtime
 from agentflash.engine.config import CacheConfig
 from agentflash.server import create_app
+from conftest import assert_clean, running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_server  # noqa: E402  (the agent workload of the server benchmark)
@@ -49,27 +46,6 @@ CITY = {"type": "object", "properties": {"name": {"type": "string"},
         "required": ["name", "population"], "additionalProperties": False}
 
 
-@contextmanager
-def running(app: Any) -> Iterator[str]:
-    """uvicorn serving `app` on a free 127.0.0.1 port in a thread; yields the base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def base_url(rt):
     with running(create_app(rt, api_key=KEY)) as url:
@@ -86,21 +62,6 @@ def client(base_url, rt):
 @pytest.fixture
 def aclient(base_url, rt):
     return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=KEY, max_retries=0)
-
-
-def assert_clean(rt: Runtime, timeout: float = 10.0) -> None:
-    """No request left running and no page pinned or referenced (aborts settle on the engine
-    thread, so give them a moment)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = rt.stats()
-        clean = (stats["pages_pinned"] == 0 and stats["pages_referenced"] == 0
-                 and stats["running"] == 0 and stats["waiting"] == 0)
-        if clean or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert clean, stats
-    rt._call(rt.engine.kv.check_integrity)
 
 
 def arguments(call: Any) -> dict[str, Any]:

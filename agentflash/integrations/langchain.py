@@ -54,8 +54,9 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentflash.conversation import (CallChunk, ChatEvent, ChatReply, ChatRequest, TextChunk, chat,
-                                     output_schema_of, tool_choice_of)
+from agentflash.conversation import chat
+from agentflash.request import (CallChunk, ChatEvent, ChatReply, ChatRequest, TextChunk,
+                                output_schema_of, tool_choice_of)
 from agentflash.structured import TOOL_CHOICES
 from agentflash.engine.sampler import SamplingParams
 from agentflash.runtime import Runtime
@@ -158,7 +159,7 @@ class ChatAgentflash(BaseChatModel):
                       kwargs: dict[str, Any]) -> AsyncGenerator[ChatEvent, None]:
         turn = chat(self.runtime, self._request(messages, stop, **kwargs))
         # closed early (a consumer stops, a task is cancelled): the turn aborts and frees its KV;
-        # ChatTurn.events is an async generator, annotated as an AsyncIterator
+        # Turn.events is an async generator, annotated as an AsyncIterator
         async with aclosing(turn.events()) as events:  # type: ignore[type-var]
             async for event in events:
                 yield event

@@ -57,8 +57,8 @@ from openai.types.responses.response_prompt_param import ResponsePromptParam
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
 from agentflash import usage as af
-from agentflash.conversation import (CallChunk, ChatEvent, ChatReply, ChatRequest,
-                                     ChatTurn, TextChunk, chat)
+from agentflash.conversation import chat
+from agentflash.request import CallChunk, ChatEvent, ChatReply, ChatRequest, TextChunk, Turn
 from agentflash.engine.sampler import SamplingParams
 from agentflash.runtime import Runtime
 from agentflash.structured import TOOL_CHOICES
@@ -117,7 +117,7 @@ class AgentflashModel(Model):
                 async for event in events:
                     yield event
 
-    async def _chunks(self, turn: ChatTurn, span: Span[GenerationSpanData],
+    async def _chunks(self, turn: Turn, span: Span[GenerationSpanData],
                       tracing: ModelTracing) -> AsyncGenerator[ChatCompletionChunk, None]:
         """The turn's events as the Chat Completions chunks the SDK's stream handler reads."""
         async with aclosing(turn.events()) as events:
@@ -202,7 +202,7 @@ def _request(system_instructions: str | None, input: str | list[TResponseInputIt
                        output_schema=schema, params=params, max_tokens=settings.max_tokens)
 
 
-async def _reply(turn: ChatTurn) -> ChatReply:
+async def _reply(turn: Turn) -> ChatReply:
     """Run the turn to its reply (its last event)."""
     async with aclosing(turn.events()) as events:
         async for event in events:

@@ -48,8 +48,8 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import RunContext
 from pydantic_ai.usage import RequestUsage
 
-from agentflash.conversation import CallChunk, ChatEvent, ChatReply, ChatRequest, ChatTurn, \
-    TextChunk, chat
+from agentflash.conversation import chat
+from agentflash.request import CallChunk, ChatEvent, ChatReply, ChatRequest, TextChunk, Turn
 from agentflash.engine.sampler import SamplingParams
 from agentflash.errors import AgentClosedError, AgentflashError, ContextLengthError, EngineError
 from agentflash.runtime import Runtime
@@ -123,7 +123,7 @@ class AgentflashModel(Model):
 
     def _turn(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
               model_request_parameters: ModelRequestParameters,
-              ) -> tuple[ChatTurn, ModelRequestParameters]:
+              ) -> tuple[Turn, ModelRequestParameters]:
         """The checked, rendered chat turn of a request (typed errors before anything runs)."""
         settings, params = self.prepare_request(model_settings, model_request_parameters)
         s = settings or {}

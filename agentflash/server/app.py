@@ -21,8 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentflash.conversation import (CallChunk, ChatReply, ChatTurn, TextChunk, TextReply, chat,
-                                     complete)
+from agentflash.conversation import TextReply, chat, complete
+from agentflash.request import CallChunk, ChatReply, TextChunk, Turn
 from agentflash.engine.errors import ContextLengthError, EngineError, KVPoolExhaustedError
 from agentflash.engine.sampler import SamplingParams
 from agentflash.errors import AgentflashError, AgentClosedError
@@ -269,7 +269,7 @@ async def _shared_prefill(runtime: Runtime, prompt: list[int]) -> Any:
 
 
 async def _chat_events(server: Server, body: ChatCompletionRequest,
-                       turns: list[ChatTurn]) -> AsyncIterator[tuple[int, Any]]:
+                       turns: list[Turn]) -> AsyncIterator[tuple[int, Any]]:
     """Every choice's events, then the whole request's usage as (-1, (usage, prompt usage))."""
     runtime = server.runtime
     pin, prompt_usage = None, None
@@ -307,7 +307,7 @@ async def _whole(server: Server, events: AsyncIterator[tuple[int, Any]], final: 
 
 
 async def _chat_response(server: Server, body: ChatCompletionRequest,
-                         turns: list[ChatTurn]) -> dict[str, Any]:
+                         turns: list[Turn]) -> dict[str, Any]:
     def choice(index: int, reply: ChatReply) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": reply.text}
         if reply.tool_calls:
@@ -320,7 +320,7 @@ async def _chat_response(server: Server, body: ChatCompletionRequest,
 
 
 async def _chat_chunks(server: Server, body: ChatCompletionRequest,
-                       turns: list[ChatTurn]) -> AsyncIterator[dict[str, Any]]:
+                       turns: list[Turn]) -> AsyncIterator[dict[str, Any]]:
     rid, created = new_id("chatcmpl"), now()
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 

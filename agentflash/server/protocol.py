@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentflash.conversation import ChatRequest, output_schema_of, tool_choice_of
+from agentflash.request import ChatRequest, output_schema_of, tool_choice_of
 from agentflash.engine.sampler import SamplingParams
 from agentflash.errors import RequestError
 from agentflash.step import ToolCall
