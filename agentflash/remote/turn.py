@@ -80,9 +80,9 @@ class RemoteTurn:
                     if choice.index != 0:
                         continue
                     delta = choice.delta
-                    if first is None and (delta.content or delta.tool_calls):
+                    if first is None:  # servers send the first chunk with the first token
                         first = time.perf_counter()
-                        yield TextChunk("")  # the first token: the reply has started
+                        yield TextChunk("")  # the reply has started
                     if delta.content:
                         for event in parsed(parser.feed(delta.content)):
                             yield event
