@@ -247,7 +247,8 @@ async def test_trio(remote):
 # ---- faults (a local stand-in server that answers with errors, on 127.0.0.1) -------------
 
 class _Faulty(http.server.BaseHTTPRequestHandler):
-    """Lists one model; answers every chat completion with `status` (and Retry-After)."""
+    """Lists one model; answers every chat completion with `status` (and Retry-After), or
+    after 3 s when `status` is 0."""
 
     status = 503
     seen: list[dict[str, str]] = []
@@ -259,6 +260,9 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("content-length", 0)))
         type(self).seen.append({k.lower(): v for k, v in self.headers.items()})
+        if self.status == 0:  # never answers in time (the client has left by then)
+            time.sleep(3)
+            return
         self._send(self.status, {"error": {"message": f"status {self.status}",
                                            "type": "error", "code": self.status}},
                    {"Retry-After": "0"})
@@ -313,6 +317,16 @@ async def test_auth_and_bad_requests_are_not_retried(faulty):
     with pytest.raises(RemoteRequestError):
         await agent.step("Hello.")
     assert len(handler.seen) == 2 and len(agent.messages) == 1
+
+
+@pytest.mark.anyio
+async def test_a_timeout_is_raised_not_retried(faulty):
+    url, handler = faulty
+    handler.status = 0
+    agent = Agent(Runtime.connect(url, timeout_s=0.5, retries=3, backoff_s=0.01), "Hi.")
+    with pytest.raises(ServerUnavailableError, match="timed out"):
+        await agent.step("Hello.")
+    assert len(handler.seen) == 1 and len(agent.messages) == 1
 
 
 def test_connection_refused_and_unknown_model(faulty):
