@@ -301,6 +301,19 @@ def http_server(cmd: list[str], port: int, log: Path, env: dict[str, str] | None
                 server.wait()
 
 
+def vllm_agent_flags(draft: Path | None = None) -> list[str]:
+    """vLLM flags for agent traffic: cached tokens in usage, tool calls parsed (hermes), and
+    with `draft`, that DFlash drafter (vLLM loads the published format unchanged) with
+    per-request speculation counters."""
+    flags = ["--enable-prompt-tokens-details", "--enable-auto-tool-choice",
+             "--tool-call-parser", "hermes"]
+    if draft is not None:
+        spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 15}
+        flags += ["--speculative-config", json.dumps(spec),
+                  "--per-request-spec-decode-metrics", "summary"]
+    return flags
+
+
 def vllm_server(python: Path, model: Path, max_len: int, threads: int, log: Path,
                 extra: list[str] = (), max_seqs: int = 1) -> contextlib.AbstractContextManager[str]:
     """A vLLM OpenAI server on 127.0.0.1 serving `model` as "m" (`with`: its URL)."""

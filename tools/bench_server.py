@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import EMBEDDED, free_port, http_server, vllm_env, vllm_server  # noqa: E402
+from bench_peers import (EMBEDDED, free_port, http_server, vllm_agent_flags, vllm_env,  # noqa: E402
+                         vllm_server)
 
 TOOLS = [
     {"type": "function", "function": {
@@ -150,8 +151,7 @@ def main() -> None:
     print(json.dumps(results["agentflash"]), flush=True)
     if not args.skip_vllm:
         python = vllm_env(args.cache)
-        extra = ["--enable-prefix-caching", "--enable-prompt-tokens-details",
-                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        extra = ["--enable-prefix-caching", *vllm_agent_flags()]
         with vllm_server(python, EMBEDDED, 4096, args.threads, args.cache / "vllm-serve.log",
                          extra, max_seqs=max(args.sessions, 1)) as url:
             results["vllm"] = asyncio.run(workload(url, "m", *run))
