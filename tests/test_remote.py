@@ -4,7 +4,7 @@
 valid output, forced and named calls validate, step 2 reports cached tokens, streaming and
 cancellation work, trio works, forks keep their session id, the run log renders. Faults (refused
 connection, 503 retried then given up, 401, an unknown model, context overflow) raise the SDK's
-typed errors and leave the agent as it was."""
+typed errors and leave the agent as it was; an API key is sent and a wrong one refused."""
 
 from __future__ import annotations
 
@@ -341,6 +341,19 @@ def test_connection_refused_and_unknown_model(faulty):
     url, _ = faulty
     with pytest.raises(RemoteRequestError, match="does not serve 'nope'"):
         Runtime.connect(url, model="nope")
+
+
+@pytest.mark.anyio
+async def test_api_key(rt):
+    with running(create_app(rt, api_key="secret")) as url:
+        with pytest.raises(RemoteAuthError):
+            Runtime.connect(url, api_key="wrong")
+        runtime = Runtime.connect(url, api_key="secret")
+        async with Agent(runtime, "Be brief.", max_tokens=8) as agent:
+            step = await agent.step("Hi.")
+        assert step.usage.completion_tokens > 0
+        await runtime.aclose()
+    assert_clean(rt)
 
 
 def test_options_a_server_decides_are_refused(faulty):

@@ -31,6 +31,7 @@ from .wire import GRAMMAR_SERVERS, SERVER_KINDS, body
 from .faults import raise_mapped, retry_delay, retryable
 from .turn import RemoteTurn
 
+CALL_FORMATS = ("hermes", "llama3_json")
 
 
 class RemoteRuntime:
@@ -43,6 +44,8 @@ class RemoteRuntime:
                  pricing: Pricing | None = None, log: str | Path | None = None) -> None:
         if kind not in SERVER_KINDS:
             raise ValueError(f"server must be one of {SERVER_KINDS}, got {kind!r}")
+        if call_format not in CALL_FORMATS:
+            raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
         self.base_url = base_url
         self.model_name = model
         self.kind = kind
