@@ -104,6 +104,11 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         return self.family == "qwen3"
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V the paged pool holds: all of them."""
+        return self.num_hidden_layers
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
@@ -147,17 +152,23 @@ class ModelConfig:
         `generate` (Qwen3 chat models name <|im_end|> in config.json and add <|endoftext|> in
         generation_config.json)."""
         config = cls.from_hf(read_config_json(path))
-        gen_path = Path(path) / "generation_config.json"
-        if not gen_path.is_file():
-            return config
-        gen = _read_json_object(gen_path)
-        if gen.get("eos_token_id") is None:
-            return config
-        try:
-            eos = _token_ids(gen["eos_token_id"])
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{gen_path} has an invalid eos_token_id: {e}") from None
-        return replace(config, eos_token_ids=eos)
+        eos = generation_eos_ids(path)
+        return config if eos is None else replace(config, eos_token_ids=eos)
+
+
+def generation_eos_ids(path: str | Path) -> tuple[int, ...] | None:
+    """The eos_token_id of `path`/generation_config.json, where that file names one (what
+    transformers' `generate` stops at instead of config.json's); None otherwise."""
+    gen_path = Path(path) / "generation_config.json"
+    if not gen_path.is_file():
+        return None
+    gen = _read_json_object(gen_path)
+    if gen.get("eos_token_id") is None:
+        return None
+    try:
+        return _token_ids(gen["eos_token_id"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{gen_path} has an invalid eos_token_id: {e}") from None
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

@@ -3,7 +3,8 @@
 Each `step()` schedules a batch (decode tokens and prefill chunks together), runs one target
 forward, samples, appends tokens, and retires finished sequences: their prompt AND generated
 tokens go into the radix prefix cache, optionally pinned for a live session, so the next turn
-of a conversation prefills only what is new.
+of a conversation prefills only what is new. Hybrid targets (Qwen3.5) decode plainly, without
+prefix reuse (see `Engine`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ import torch
 
 from .config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
 from .constraint import TokenConstraint, follow, masked, propose, settle
-from .errors import ContextLengthError, KVPoolExhaustedError, RequestError
+from .errors import (ContextLengthError, KVPoolExhaustedError, RequestError,
+                     UnsupportedModelError)
 from .fastpath import Prepared, prepare
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
+from .kv.state_pool import StatePool
 from .models.dflash import DFlashDraftModel, load_drafter
+from .models.gated_deltanet import RecurrentStates
 from .models.loader import load_model
 from .models.qwen3 import CausalLM
+from .models.qwen3_5 import HybridCausalLM
 from .runner import ModelRunner
 from .sampler import SamplingParams, make_generator
 from .scheduler import BatchItem, Scheduler
@@ -86,9 +91,18 @@ class EngineCounters:
 
 
 class Engine:
+    """Requests in, tokens out, one step at a time, on one target model (and optional drafter).
+
+    A hybrid target (`HybridCausalLM`, Qwen3.5) keeps its full-attention layers' K/V in the paged
+    pool and each running sequence's linear-attention state in a `StatePool` slot. A prefix-cache
+    hit would restore the K/V but not that state, so on a hybrid target every request computes
+    its whole prompt (as with reuse=False), finished sequences are neither cached nor pinned,
+    and nothing speculative runs: a drafter raises UnsupportedModelError, a prediction
+    RequestError. Its forwards run eager (engine.fastpath leaves hybrid models as loaded)."""
+
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | HybridCausalLM,
         cache: CacheConfig = CacheConfig(),
         scheduler: SchedulerConfig = SchedulerConfig(),
         max_model_len: int | None = None,
@@ -106,6 +120,8 @@ class Engine:
         None: unless $AGENTFLASH_COMPILE=0). quantize="int4": int4 weights for the target's
         layers (CPU, bfloat16; other numbers than the checkpoint's, so only when asked for)."""
         cfg = model.config
+        if drafter is not None:
+            _refuse_drafter(model)
         if quantize is not None and not fast_path:
             raise ValueError("quantize needs the fast path (fast_path=True)")
         t0 = time.perf_counter()
@@ -126,11 +142,16 @@ class Engine:
                                  cfg.max_position_embeddings)
         self.pool = KVPool(
             cache.page_size, cache.num_pages,
-            [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_hidden_layers,
+            [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_kv_layers,
             self.dtype, self.device,
         )
         self.kv = KVManager(cache.page_size, cache.num_pages, self.pool)
-        self.scheduler = Scheduler(scheduler, self.kv)
+        self.states: StatePool | None = None  # hybrid targets: linear-attention state slots
+        if isinstance(model, HybridCausalLM):
+            blank = RecurrentStates.zeros(model.config, [1] * scheduler.max_running,
+                                          self.device, self.dtype)
+            self.states = StatePool(blank.conv, blank.recurrent)
+        self.scheduler = Scheduler(scheduler, self.kv, self.states)
         self.drafter = drafter
         self.block_size = 1
         self.spec = spec
@@ -142,7 +163,7 @@ class Engine:
                 [(dcfg.num_key_value_heads, dcfg.head_dim)] * dcfg.num_hidden_layers
             )
         self.runner = ModelRunner(model, self.pool, self.kv, drafter, draft_layers,
-                                  prepared.compiled, prepared.compiled_draft)
+                                  prepared.compiled, prepared.compiled_draft, self.states)
         self.detokenize = detokenize
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.counters = EngineCounters()
@@ -164,6 +185,8 @@ class Engine:
         No drafter is loaded implicitly: for the one a model directory carries, pass
         `draft=bundled_drafter_dir(path)` (engine.models.dflash)."""
         model = load_model(path, dtype=dtype, device=device)
+        if draft is not None:
+            _refuse_drafter(model)
         drafter = load_drafter(draft, model) if draft is not None else None
         return cls(model, drafter=drafter, **kwargs)
 
@@ -188,7 +211,8 @@ class Engine:
         proposing from where it ends or diverges; the output is the same either way;
         trace=True records every drafted block in `counters.drafts`; a `constraint` (a grammar
         matcher at its start state) restricts every generated token, drafts included;
-        reuse=False computes the whole prompt even where the prefix cache holds it."""
+        reuse=False computes the whole prompt even where the prefix cache holds it (always,
+        on a hybrid target)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise RequestError("prompt is empty")
@@ -207,9 +231,11 @@ class Engine:
         predicted = [int(t) for t in prediction or ()]
         if any(not 0 <= t < vocab for t in predicted):
             raise RequestError(f"prediction token ids are outside the vocabulary [0, {vocab})")
+        if predicted and self.states is not None:  # verifying it would need per-position states
+            raise RequestError("predicted outputs are not supported on hybrid targets yet")
         block = self.block_size if drafts else PREDICTION_BLOCK if predicted else 1
         seq = Sequence(next(self._ids), prompt, params, self.max_model_len, pin=pin,
-                       reuse=reuse, block_size=block)
+                       reuse=reuse and self.states is None, block_size=block)
         seq.drafts = drafts
         if drafts and self._verify_steps >= PRIOR_STEPS:
             seq.prior = (list(self._accepted), list(self._verified))
@@ -448,9 +474,10 @@ class Engine:
     def _finish(self, seq: Sequence, update: SeqUpdate | None = None) -> SeqUpdate:
         pin = None
         if seq.kv is not None:
-            self.kv.cache(seq.kv, seq.tokens)
-            if seq.pin and seq.error is None and seq.finish_reason != "abort":
-                pin = self.kv.pin(seq.kv)
+            if self.states is None:  # (a hybrid target's pages could never be reused)
+                self.kv.cache(seq.kv, seq.tokens)
+                if seq.pin and seq.error is None and seq.finish_reason != "abort":
+                    pin = self.kv.pin(seq.kv)
             self.kv.release(seq.kv)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
@@ -551,6 +578,14 @@ class Engine:
         self.spec = spec
         return (context, [statistics.median(t) for t in target],
                 [statistics.median(d) for d in draft])
+
+
+def _refuse_drafter(model: CausalLM | HybridCausalLM) -> None:
+    """Speculation on a hybrid target would need its linear-attention state at every verified
+    position (to roll back rejected drafts) and a drafter for it: neither exists yet."""
+    if isinstance(model, HybridCausalLM):
+        raise UnsupportedModelError("speculative decoding on hybrid targets is not supported yet")
+
 
 def _interpolate(xs: list[int], ys: list[float], at: Iterable[int]) -> list[float]:
     """Piecewise-linear y at each point of `at` through the points (xs, ys), xs increasing."""

@@ -28,6 +28,8 @@ One transformation changes the numbers and so runs only when asked for (`quantiz
   (engine.models.quantized); the lm_head, the embedding and the drafter stay bfloat16 (the
   drafter runs on 16 rows a forward, where the int4 kernel is slower than packed bf16). Greedy
   speculative output equals the quantized target's plain output, bit for bit.
+
+Hybrid targets (Qwen3.5, engine.models.qwen3_5) get none of these yet and run eager, as loaded.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .models.dflash import DFlashDraftModel
 from .models.packed import PackedLinear, pack_linears, packing_available
 from .models.quantized import int4_available, quantize_linears_int4
 from .models.qwen3 import CausalLM
+from .models.qwen3_5 import HybridCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +112,21 @@ class Prepared:
     seconds: dict[str, float] = field(default_factory=dict)  # time each one took
 
 
-def prepare(model: CausalLM, drafter: DFlashDraftModel | None = None,
+def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None = None,
             quantize: str | None = None, compile: bool | None = None,
             block_size: int = 16, page_size: int = 16) -> Prepared:
     """Apply, in place, every registered transformation that applies to `model` (and its
     drafter). Models stay usable for inference only. quantize="int4" asks for int4 weights
     (CPU, bfloat16 only: ValueError elsewhere). compile: build (or load) the compiled
     decode/verify forward and the drafter's forward for `block_size` (None: unless
-    $AGENTFLASH_COMPILE=0)."""
+    $AGENTFLASH_COMPILE=0). A hybrid model is left as it is."""
+    if isinstance(model, HybridCausalLM):
+        # The compiled step exports CausalLM's forward over paged attention alone (no recurrent
+        # states to carry), and packing and int4 were never checked against transformers on
+        # the DeltaNet layers (conv1d, gated norm): hybrid models run eager until they are.
+        if quantize is not None:
+            raise ValueError(f"quantize={quantize!r} is not supported on hybrid models yet")
+        return Prepared([])
     if quantize is not None:
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize={quantize!r}: choose from {QUANTIZATIONS} or None")

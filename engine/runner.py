@@ -9,6 +9,10 @@ prefix-cache hit restores the drafter's warm state along with the target's.
 With a compiled forward (engine.compiled), every decode row and verify block runs through it; a
 forward that mixes them with prefill chunks runs as two, so a sequence's rows never depend on
 what else was scheduled with them.
+
+With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V, and every
+forward also carries its sequences' linear-attention states: their `StatePool` rows are gathered
+into a `RecurrentStates`, advanced by the forward and written back.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ from .attention import PagedAttention, PagedDraftAttention
 from .compiled import CompiledDraft, CompiledForward, step_args
 from .kv.manager import KVManager
 from .kv.pool import KVPool
+from .kv.state_pool import StatePool
 from .models.dflash import DFlashDraftModel
+from .models.gated_deltanet import RecurrentStates
 from .models.qwen3 import CausalLM
+from .models.qwen3_5 import HybridCausalLM
 from .scheduler import BatchItem
 
 
@@ -35,11 +42,15 @@ class RunnerOutput(NamedTuple):
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, pool: KVPool, kv: KVManager,
+        self, model: CausalLM | HybridCausalLM, pool: KVPool, kv: KVManager,
         drafter: DFlashDraftModel | None = None, draft_layers: range | None = None,
         compiled: CompiledForward | None = None, compiled_draft: CompiledDraft | None = None,
+        states: StatePool | None = None,
     ):
+        if isinstance(model, HybridCausalLM) != (states is not None):
+            raise ValueError("a hybrid model needs a StatePool, and only a hybrid model has one")
         self.model = model
+        self.states = states
         self.compiled = compiled
         self.compiled_draft = compiled_draft
         self.pool = pool
@@ -47,7 +58,7 @@ class ModelRunner:
         self.drafter = drafter
         self.draft_layers = draft_layers
         self.device = model.device
-        self.num_layers = model.config.num_hidden_layers
+        self.num_layers = model.config.num_kv_layers
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
     @torch.inference_mode()
@@ -99,12 +110,30 @@ class ModelRunner:
             hidden = self.compiled(step_args(input_ids, pos, attn), attn.k_caches,
                                    attn.v_caches, self._draft_caches(self.pool.k),
                                    self._draft_caches(self.pool.v))
+        elif self.states is not None:
+            hidden = self._forward_hybrid(items, input_ids, pos, attn)
         else:
             hidden, captured = self.model(input_ids, pos, attn, self.capture)
             if self.drafter is not None:
                 self._store_draft_context(captured, pos, attn.slot_mapping)
         index = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return RunnerOutput(self.model.logits(hidden[index]), rows)
+
+    def _forward_hybrid(self, items: list[BatchItem], input_ids: torch.Tensor,
+                        positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
+        """The hybrid target's forward: each item's state slot rows in, advanced rows back."""
+        assert self.states is not None
+        slots = []
+        for item in items:
+            assert item.seq.state_slot is not None, "a hybrid sequence runs with a state slot"
+            slots.append(item.seq.state_slot)
+        # Correctness first: the rows are copied out and back. Layers indexing the pool's
+        # tensors by slot in place would save both copies (the whole state, every forward).
+        conv, recurrent = self.states.gather(slots)
+        states = RecurrentStates([item.num_tokens for item in items], conv, recurrent)
+        hidden, _ = self.model(input_ids, positions, attn, states)
+        self.states.scatter(slots, states.conv, states.recurrent)
+        return hidden
 
     def _draft_caches(self, caches: list[torch.Tensor]) -> list[torch.Tensor]:
         return [caches[i] for i in self.draft_layers] if self.draft_layers is not None else []

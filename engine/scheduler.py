@@ -5,6 +5,10 @@ whole budget (prompt + max_new_tokens, capped by the context) are promised, so a
 sequence never runs out of KV mid-generation and nothing needs preempting. A request that could
 not fit even with every unpinned page evicted fails with KVPoolExhaustedError instead of waiting,
 unless `relieve` (the runtime's: release idle sessions' pins, the longest idle first) frees pages.
+
+For a hybrid model, admission also hands the sequence a zeroed slot of the `StatePool` (it holds
+max_running slots, so one is always free), and `remove` returns it. Nothing is preempted, so a
+sequence never recomputes from position 0 while holding a slot.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from .config import SchedulerConfig
 from .errors import KVPoolExhaustedError
 from .kv.manager import KVManager
+from .kv.state_pool import StatePool
 from .sequence import Sequence, Status
 
 
@@ -54,9 +59,13 @@ class BatchItem:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager):
+    def __init__(self, config: SchedulerConfig, kv: KVManager, states: StatePool | None = None):
+        if states is not None and states.num_slots < config.max_running:
+            raise ValueError(f"{states.num_slots} state slots for {config.max_running} "
+                             "running sequences")
         self.config = config
         self.kv = kv
+        self.states = states
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # set by the layer above (the runtime): frees pinned pages that nothing runs on (idle
@@ -71,6 +80,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.state_slot is not None:
+            assert self.states is not None
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -116,6 +129,8 @@ class Scheduler:
         kv = self.kv.begin(seq.prompt_ids, max_cached=len(seq.prompt_ids) - 1 if seq.reuse else 0)
         if self.kv.reserve(kv, seq.budget):
             seq.kv = kv
+            if self.states is not None:
+                seq.state_slot = self.states.alloc()
             seq.status = Status.RUNNING
             seq.counters.cached_tokens = kv.length
             seq.counters.admitted_at = time.perf_counter()

@@ -74,6 +74,7 @@ class Sequence:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     kv: SeqKV | None = None
+    state_slot: int | None = None     # hybrid models: its row in the StatePool, while running
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # grammar every generated token must follow
     drafts: bool = False              # the drafter proposes this sequence's blocks

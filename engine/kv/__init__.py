@@ -5,6 +5,7 @@
 - `prefix.RadixCache`: radix tree over token ids holding reusable pages (match/insert/lock/evict).
 - `manager.KVManager`: what the engine uses; per-sequence page tables (`SeqKV`), reservations,
   extend/truncate with copy-on-write, caching finished turns and pinning live sessions.
+- `state_pool.StatePool`: per-sequence slots of a hybrid model's linear-attention states.
 
 Model code sees only the pool's tensors and slot ids, never the allocator.
 """
@@ -15,6 +16,7 @@ from .allocator import PageAllocator
 from .manager import KVManager, Pin, SeqKV
 from .pool import KVPool
 from .prefix import PrefixMatch, RadixCache, RadixNode
+from .state_pool import StatePool
 
 __all__ = [
     "KVManager",
@@ -25,4 +27,5 @@ __all__ = [
     "RadixCache",
     "RadixNode",
     "SeqKV",
+    "StatePool",
 ]

@@ -33,7 +33,8 @@ from ..config import read_config_json
 from ..errors import CheckpointError
 from .dflash_config import DFlashConfig, check_compatible, default_target_layer_ids
 from .layers import RMSNorm
-from .loader import DTYPES, assemble_state, read_safetensors_dir, unfused_sources
+from .checkpoint import DTYPES, assemble_state, read_safetensors_dir
+from .loader import unfused_sources
 from .qwen3 import CausalLM, DecoderLayer
 from .rope import RotaryEmbedding, apply_rope
 

@@ -36,7 +36,8 @@ from ..attention import DenseCausal
 from ..config import ModelConfig
 from .dflash import DFlashDraftModel, LayerKind
 from .dflash_config import ARCHITECTURE, DFlashConfig, check_compatible, default_target_layer_ids
-from .loader import DTYPES, WEIGHTS, unfused_sources
+from .checkpoint import DTYPES, WEIGHTS
+from .loader import unfused_sources
 from .qwen3 import CausalLM
 
 GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # the reference's loss decay per block size

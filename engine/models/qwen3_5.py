@@ -23,7 +23,7 @@ with q/k/v, gate/up and the four DeltaNet input projections fused as the loader 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend
-from ..config import RopeConfig, read_config_json
+from ..config import RopeConfig, generation_eos_ids, read_config_json
 from ..errors import CheckpointError, UnsupportedModelError
 from .gated_deltanet import GatedDeltaNet, RecurrentStates, conv_dim
 from .layers import GatedMLP
-from .loader import DTYPES, assemble_state, read_safetensors_dir
+from .checkpoint import DTYPES, assemble_state, read_safetensors_dir
 from .qwen3 import CausalLM, ModelOutput
 from .rope import RotaryEmbedding, apply_rope
 
@@ -113,6 +113,11 @@ class HybridConfig:
     def num_full_layers(self) -> int:
         return self.layer_types.count(FULL)
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V the paged pool holds: the full-attention ones."""
+        return self.num_full_layers
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> HybridConfig:
         """Parse a config.json of either architecture (the text fields at the top level, or
@@ -170,6 +175,14 @@ class HybridConfig:
             raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"config.json has an invalid field: {e}") from None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> HybridConfig:
+        """The model of `path`/config.json, ending generation where `ModelConfig.from_dir` does
+        (generation_config.json's eos_token_id first)."""
+        config = cls.from_hf(read_config_json(path))
+        eos = generation_eos_ids(path)
+        return config if eos is None else replace(config, eos_token_ids=eos)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -352,7 +365,7 @@ def load_qwen3_5(
     """Load a Qwen3.5 checkpoint (either layout) onto `device` in `dtype` (None: the
     checkpoint's). Returns an eval-mode model without gradients."""
     root = Path(model_dir)
-    config = HybridConfig.from_hf(read_config_json(root))
+    config = HybridConfig.from_dir(root)
     if dtype is None:
         dtype = DTYPES.get(config.torch_dtype, torch.float32)
     if dtype not in DTYPES.values():
@@ -375,3 +388,4 @@ def load_qwen3_5(
     model.load_state_dict(state, assign=True)
     model.rotary.build(device)
     return model.eval().requires_grad_(False)
+

@@ -1,0 +1,82 @@
+"""Per-sequence state slots of a hybrid model's linear-attention (Gated DeltaNet) layers.
+
+A full-attention layer keeps a sequence's history as K/V in the paged pool (pool.py), which the
+radix tree can share by prefix; a linear-attention layer keeps it as a fixed-size state per
+sequence: the causal conv's window of its last `kernel - 1` inputs and the recurrent matrix state.
+`StatePool` preallocates both for `num_slots` sequences, per linear layer l (its ordinal among the
+linear layers):
+
+    conv[l]       [num_slots, conv_dim, kernel - 1]   model dtype
+    recurrent[l]  [num_slots, Hv, Dk, Dv]             float32
+
+Invariant: the rows of a slot in use hold the state after the `computed` tokens of the sequence
+that owns it. A slot is zeroed when handed out (its sequence starts at position 0) and comes back
+when the sequence ends. Tensors here, bookkeeping a free list; the scheduler hands slots out.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class StatePool:
+    """Conv and recurrent state rows for `num_slots` sequences, from preallocated tensors (e.g.
+    those of `RecurrentStates.zeros(config, [1] * num_slots, ...)`)."""
+
+    def __init__(self, conv: list[torch.Tensor], recurrent: list[torch.Tensor]) -> None:
+        if len(conv) != len(recurrent):
+            raise ValueError("conv and recurrent states must cover the same layers")
+        sizes = {t.shape[0] for t in (*conv, *recurrent)}
+        if len(sizes) != 1:
+            raise ValueError(f"every state tensor needs the same number of slots, got {sizes}")
+        self.conv = conv
+        self.recurrent = recurrent
+        self.num_slots = sizes.pop()
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        """A free slot, its rows zeroed (the state before a sequence's first token)."""
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} state slots are in use")
+        slot = self._free.pop()
+        self._used.add(slot)
+        for tensor in (*self.conv, *self.recurrent):
+            tensor[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._used:
+            raise ValueError(f"state slot {slot} is not in use")
+        self._used.remove(slot)
+        self._free.append(slot)
+
+    def gather(self, slots: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the rows of `slots` (row i: slots[i]): (conv, recurrent), one per layer."""
+        index = self._index(slots)
+        return ([t.index_select(0, index) for t in self.conv],
+                [t.index_select(0, index) for t in self.recurrent])
+
+    def scatter(self, slots: Sequence[int], conv: list[torch.Tensor],
+                recurrent: list[torch.Tensor]) -> None:
+        """Write rows back (row i into slot slots[i]): the inverse of `gather`."""
+        index = self._index(slots)
+        for pool, rows in zip((*self.conv, *self.recurrent), (*conv, *recurrent)):
+            pool.index_copy_(0, index, rows)
+
+    def check_integrity(self) -> None:
+        assert len(set(self._free)) == len(self._free), "a slot is free twice"
+        assert not self._used & set(self._free), "a slot is both free and in use"
+        assert len(self._free) + len(self._used) == self.num_slots, "a slot went missing"
+
+    def _index(self, slots: Sequence[int]) -> torch.Tensor:
+        if unknown := [s for s in slots if s not in self._used]:
+            raise ValueError(f"state slots {unknown} are not in use")
+        device = self.conv[0].device if self.conv else torch.device("cpu")
+        return torch.tensor(list(slots), dtype=torch.long, device=device)
