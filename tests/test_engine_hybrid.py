@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import transformers
 
 from agentflash.engine.config import CacheConfig, SchedulerConfig
 from agentflash.engine.engine import Engine
@@ -21,7 +20,7 @@ from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.qwen3_5 import HybridCausalLM
 from agentflash.engine.sampler import SamplingParams
-from test_qwen3_5 import TEXT, VISION, make_hf
+from test_qwen3_5 import TEXT, make_hf, save_conditional
 
 CACHE = CacheConfig(page_size=4, num_pages=256)
 MakeEngine = Callable[..., Engine]
@@ -72,12 +71,7 @@ def assert_idle_and_clean(engine: Engine) -> None:
 
 def test_from_dir_loads_both_layouts(hybrid: tuple[Path, Any], tmp_path: Path) -> None:
     path, hf = hybrid
-    torch.manual_seed(1)
-    cfg = transformers.Qwen3_5Config(text_config=hf.config.to_dict(), vision_config=VISION)
-    full = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
-    full.model.language_model.load_state_dict(hf.model.state_dict())
-    full.lm_head.load_state_dict(hf.lm_head.state_dict())
-    full.save_pretrained(tmp_path / "vl")
+    save_conditional(hf, tmp_path / "vl")
     prompt = prompts_of([9], seed=3)[0]
     outputs = []
     for directory in (path, tmp_path / "vl"):

@@ -120,16 +120,23 @@ def test_prefill_longer_than_a_chunk_matches_transformers(pair: tuple[HybridCaus
     torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
-def test_conditional_generation_layout_loads_the_text_model(
-    tmp_path: Path, pair: tuple[HybridCausalLM, Any], caplog: pytest.LogCaptureFixture
-) -> None:
-    model, hf = pair
+def save_conditional(hf: Any, path: Path) -> Any:
+    """`hf`'s weights as the text model of a Qwen3_5ForConditionalGeneration (with a tiny
+    vision tower), saved at `path`; returns that model."""
     torch.manual_seed(1)
     cfg = transformers.Qwen3_5Config(text_config=hf.config.to_dict(), vision_config=VISION)
     full = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
     full.model.language_model.load_state_dict(hf.model.state_dict())
     full.lm_head.load_state_dict(hf.lm_head.state_dict())
-    full.save_pretrained(tmp_path / "vl")
+    full.save_pretrained(path)
+    return full
+
+
+def test_conditional_generation_layout_loads_the_text_model(
+    tmp_path: Path, pair: tuple[HybridCausalLM, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    model, hf = pair
+    full = save_conditional(hf, tmp_path / "vl")
     with caplog.at_level(logging.INFO, logger="agentflash.engine.models.qwen3_5"):
         ours = load_qwen3_5(tmp_path / "vl")
     visual = sum(1 for n in full.state_dict() if n.startswith("model.visual."))
