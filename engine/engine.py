@@ -3,8 +3,8 @@
 Each `step()` schedules a batch (decode tokens and prefill chunks together), runs one target
 forward, samples, appends tokens, and retires finished sequences: their prompt AND generated
 tokens go into the radix prefix cache, optionally pinned for a live session, so the next turn
-of a conversation prefills only what is new. Hybrid targets (Qwen3.5) decode plainly, without
-prefix reuse (see `Engine`).
+of a conversation prefills only what is new. Hybrid targets (Qwen3.5) decode plainly and resume
+from a state snapshot where the previous turn ended (see `Engine`).
 """
 
 from __future__ import annotations
@@ -94,11 +94,12 @@ class Engine:
     """Requests in, tokens out, one step at a time, on one target model (and optional drafter).
 
     A hybrid target (`HybridCausalLM`, Qwen3.5) keeps its full-attention layers' K/V in the paged
-    pool and each running sequence's linear-attention state in a `StatePool` slot. A prefix-cache
-    hit would restore the K/V but not that state, so on a hybrid target every request computes
-    its whole prompt (as with reuse=False), finished sequences are neither cached nor pinned,
-    and nothing speculative runs: a drafter raises UnsupportedModelError, a prediction
-    RequestError. Its forwards run eager (engine.fastpath leaves hybrid models as loaded)."""
+    pool and each running sequence's linear-attention state in a `StatePool` slot. A finished
+    sequence's state is snapshotted onto the radix node where its cached tokens end, and a
+    prefix hit is taken only up to such a node (the state is restored from it), so the next turn
+    of a conversation computes only its new tokens. Nothing speculative runs: a drafter raises
+    UnsupportedModelError, a prediction RequestError. Its forwards run eager (engine.fastpath
+    leaves hybrid models as loaded)."""
 
     def __init__(
         self,
@@ -150,7 +151,7 @@ class Engine:
         if isinstance(model, HybridCausalLM):
             blank = RecurrentStates.zeros(model.config, [1] * scheduler.max_running,
                                           self.device, self.dtype)
-            self.states = StatePool(blank.conv, blank.recurrent)
+            self.states = StatePool(blank.conv, blank.recurrent, cache.state_snapshots)
         self.scheduler = Scheduler(scheduler, self.kv, self.states)
         self.drafter = drafter
         self.block_size = 1
@@ -211,8 +212,9 @@ class Engine:
         proposing from where it ends or diverges; the output is the same either way;
         trace=True records every drafted block in `counters.drafts`; a `constraint` (a grammar
         matcher at its start state) restricts every generated token, drafts included;
-        reuse=False computes the whole prompt even where the prefix cache holds it (always,
-        on a hybrid target)."""
+        reuse=False computes the whole prompt even where the prefix cache holds it (a hybrid
+        target reuses a prefix only up to where an earlier sequence ended: its state is kept
+        there)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise RequestError("prompt is empty")
@@ -235,7 +237,7 @@ class Engine:
             raise RequestError("predicted outputs are not supported on hybrid targets yet")
         block = self.block_size if drafts else PREDICTION_BLOCK if predicted else 1
         seq = Sequence(next(self._ids), prompt, params, self.max_model_len, pin=pin,
-                       reuse=reuse and self.states is None, block_size=block)
+                       reuse=reuse, block_size=block)
         seq.drafts = drafts
         if drafts and self._verify_steps >= PRIOR_STEPS:
             seq.prior = (list(self._accepted), list(self._verified))
@@ -474,10 +476,13 @@ class Engine:
     def _finish(self, seq: Sequence, update: SeqUpdate | None = None) -> SeqUpdate:
         pin = None
         if seq.kv is not None:
-            if self.states is None:  # (a hybrid target's pages could never be reused)
-                self.kv.cache(seq.kv, seq.tokens)
-                if seq.pin and seq.error is None and seq.finish_reason != "abort":
-                    pin = self.kv.pin(seq.kv)
+            self.kv.cache(seq.kv, seq.tokens)
+            ok = seq.error is None and seq.finish_reason != "abort"
+            if self.states is not None and ok and seq.state_slot is not None and seq.kv.length:
+                assert seq.kv.node is not None  # the state after the cached tokens, kept there
+                self.states.snapshot(seq.state_slot, seq.kv.node)
+            if seq.pin and ok:
+                pin = self.kv.pin(seq.kv)
             self.kv.release(seq.kv)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED

@@ -7,7 +7,8 @@ not fit even with every unpinned page evicted fails with KVPoolExhaustedError in
 unless `relieve` (the runtime's: release idle sessions' pins, the longest idle first) frees pages.
 
 For a hybrid model, admission also hands the sequence a zeroed slot of the `StatePool` (it holds
-max_running slots, so one is always free), and `remove` returns it. Nothing is preempted, so a
+max_running slots, so one is always free), restored from the snapshot where the reused prefix
+ends (only such a prefix is reused), and `remove` returns it. Nothing is preempted, so a
 sequence never recomputes from position 0 while holding a slot.
 """
 
@@ -126,11 +127,15 @@ class Scheduler:
         return items, failed
 
     def _admit(self, seq: Sequence) -> tuple[bool, Exception | None]:
-        kv = self.kv.begin(seq.prompt_ids, max_cached=len(seq.prompt_ids) - 1 if seq.reuse else 0)
+        kv = self.kv.begin(seq.prompt_ids, max_cached=len(seq.prompt_ids) - 1 if seq.reuse else 0,
+                           with_state=self.states is not None)
         if self.kv.reserve(kv, seq.budget):
             seq.kv = kv
             if self.states is not None:
                 seq.state_slot = self.states.alloc()
+                if kv.length:  # resume from the snapshot where the reused prefix ends
+                    assert kv.node is not None
+                    self.states.restore(seq.state_slot, kv.node)
             seq.status = Status.RUNNING
             seq.counters.cached_tokens = kv.length
             seq.counters.admitted_at = time.perf_counter()

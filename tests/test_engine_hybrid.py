@@ -1,7 +1,9 @@
 """The Engine on tiny random float32 Qwen3.5 (hybrid) checkpoints: greedy output equals
-transformers' generate with prompts batched together and prefill chunked among decodes, no state
-or cached page outlives a request (a prompt sent again computes everything and gives the same
-output, an abort frees its state slot and KV), and speculation on a hybrid target is refused."""
+transformers' generate with prompts batched together and prefill chunked among decodes; a turn
+resumes from the state snapshot where the previous one ended and computes only its new tokens,
+with the same output as from scratch; a prefix without a snapshot is recomputed, snapshots are
+bounded and go with cleared pages; an abort frees its state slot and KV; speculation on a
+hybrid target is refused."""
 
 from __future__ import annotations
 
@@ -60,13 +62,17 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 def assert_idle_and_clean(engine: Engine) -> None:
-    """No page referenced or cached, every state slot free, bookkeeping consistent."""
+    """No page referenced, every state slot free, bookkeeping consistent; and once the cache
+    is cleared, every page free and no snapshot left."""
     stats = engine.stats()
-    assert stats["pages_referenced"] == 0 and stats["pages_cached"] == 0, stats
-    assert stats["pages_free"] == stats["pages_total"], stats
+    assert stats["pages_referenced"] == 0 and stats["pages_pinned"] == 0, stats
     assert engine.states is not None and engine.states.num_free == engine.states.num_slots
     engine.kv.check_integrity()
     engine.states.check_integrity()
+    engine.clear_cache()
+    stats = engine.stats()
+    assert stats["pages_free"] == stats["pages_total"], stats
+    assert engine.states.num_snapshots == 0
 
 
 def test_from_dir_loads_both_layouts(hybrid: tuple[Path, Any], tmp_path: Path) -> None:
@@ -122,16 +128,75 @@ def test_chunked_prefill_among_decodes(hybrid: tuple[Path, Any], make: MakeEngin
 
 
 def test_same_prompt_twice_recomputes_it(hybrid: tuple[Path, Any], make: MakeEngine) -> None:
+    """The first request's state is kept where it ended, past the prompt: the second one has
+    no snapshot to resume from inside its prompt and computes it all (no stale state)."""
     _, hf = hybrid
     prompt = prompts_of([3], seed=2)[0]  # short: a stale state would weigh on every token
     engine = make()
-    first, = engine.generate([prompt], SamplingParams(max_new_tokens=10), pin=True)
-    assert first.pin is None  # nothing of a hybrid target is cached, so nothing is pinned
-    assert_idle_and_clean(engine)
-    second, = engine.generate([prompt], SamplingParams(max_new_tokens=10), reuse=True)
+    first, = engine.generate([prompt], SamplingParams(max_new_tokens=10))
+    second, = engine.generate([prompt], SamplingParams(max_new_tokens=10))
     assert second.output_ids == first.output_ids == hf_greedy(hf, prompt, 10)
     assert second.counters.cached_tokens == 0
     assert second.counters.prefill_tokens == len(prompt)
+    assert_idle_and_clean(engine)
+
+
+def test_turn_two_computes_only_its_new_tokens(hybrid: tuple[Path, Any], make: MakeEngine
+                                               ) -> None:
+    """A conversation's next turn resumes from the state snapshot where the last one ended:
+    it computes only its new tokens, and its output equals a from-scratch run (and HF's)."""
+    _, hf = hybrid
+    engine = make()
+    prompt, extra, more = prompts_of([40, 9, 6], seed=5)
+    first, = engine.generate([prompt], SamplingParams(max_new_tokens=8), pin=True)
+    assert first.pin is not None and engine.states is not None
+    turn2 = prompt + first.output_ids + extra
+    second, = engine.generate([turn2], SamplingParams(max_new_tokens=8), pin=True)
+    ended = len(prompt) + len(first.output_ids) - 1   # the last sampled token has no KV yet
+    assert second.counters.cached_tokens == ended
+    assert second.counters.prefill_tokens == len(turn2) - ended
+    assert second.output_ids == hf_greedy(hf, turn2, 8)
+    turn3 = turn2 + second.output_ids + more
+    third, = engine.generate([turn3], SamplingParams(max_new_tokens=8))
+    assert third.counters.cached_tokens == len(turn2) + len(second.output_ids) - 1
+    scratch, = engine.generate([turn3], SamplingParams(max_new_tokens=8), reuse=False)
+    assert third.output_ids == scratch.output_ids == hf_greedy(hf, turn3, 8)
+    for done in (first, second):
+        engine.unpin(done.pin)
+    assert_idle_and_clean(engine)
+
+
+def test_a_prefix_without_a_snapshot_is_not_reused(hybrid: tuple[Path, Any], make: MakeEngine
+                                                   ) -> None:
+    """A prompt that leaves a cached conversation inside it (no state is kept there) resumes
+    from the last snapshot before that point, here none: computed whole, output exact."""
+    _, hf = hybrid
+    engine = make()
+    prompt, other = prompts_of([30, 12], seed=6)
+    engine.generate([prompt], SamplingParams(max_new_tokens=6))
+    branch = prompt[:20] + other
+    done, = engine.generate([branch], SamplingParams(max_new_tokens=6))
+    assert done.counters.cached_tokens == 0
+    assert done.output_ids == hf_greedy(hf, branch, 6)
+    assert_idle_and_clean(engine)
+
+
+def test_snapshots_are_bounded(hybrid: tuple[Path, Any], make: MakeEngine) -> None:
+    """With room for one snapshot, the older conversation's is dropped: its next turn computes
+    everything (and is still exact); the newer one's resumes."""
+    _, hf = hybrid
+    engine = make(cache=CacheConfig(page_size=4, num_pages=256, state_snapshots=1))
+    a, b, tail = prompts_of([25, 27, 5], seed=8)
+    done_a, = engine.generate([a], SamplingParams(max_new_tokens=4))
+    done_b, = engine.generate([b], SamplingParams(max_new_tokens=4))
+    assert engine.states is not None and engine.states.num_snapshots == 1
+    next_a, next_b = a + done_a.output_ids + tail, b + done_b.output_ids + tail
+    again_a, = engine.generate([next_a], SamplingParams(max_new_tokens=4))
+    assert again_a.counters.cached_tokens == 0
+    assert again_a.output_ids == hf_greedy(hf, next_a, 4)
+    again_b, = engine.generate([next_b], SamplingParams(max_new_tokens=4))
+    assert again_b.counters.cached_tokens == 0  # a's new snapshot took the only place
+    assert engine.states.num_snapshots == 1
     assert_idle_and_clean(engine)
 
 

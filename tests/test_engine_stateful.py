@@ -1,5 +1,7 @@
-"""Randomised engine lifecycle: interleaved submit / step / abort / unpin on a tiny model, with
-the KV page invariants checked after every operation and a clean pool at the end."""
+"""Randomised engine lifecycle: interleaved submit / follow-up / step / abort / unpin on a tiny
+model (Qwen3, and the hybrid Qwen3.5 whose follow-ups resume from state snapshots), with the KV
+page and state slot invariants checked after every operation, greedy outputs that never depend
+on what was cached, and a clean pool at the end."""
 
 from __future__ import annotations
 
@@ -15,14 +17,19 @@ from agentflash.engine.errors import KVPoolExhaustedError
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
 from conftest import make_hf_model
+from test_qwen3_5 import make_hf as make_hybrid
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9, 9], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def tiny_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("m")
-    make_hf_model("qwen3", vocab_size=32, bos_token_id=None, eos_token_id=None).save_pretrained(path)
+    if request.param == "qwen3":
+        hf = make_hf_model("qwen3", vocab_size=32, bos_token_id=None, eos_token_id=None)
+    else:
+        hf = make_hybrid(seed=3, vocab_size=32, bos_token_id=None, eos_token_id=None)
+    hf.save_pretrained(path)
     return load_model(path)
 
 
@@ -43,6 +50,18 @@ class EngineMachine(RuleBasedStateMachine):
         try:
             self.live.add(self.engine.submit(prefix + tail, SamplingParams(max_new_tokens=new),
                                              pin=pin))
+        except KVPoolExhaustedError:
+            assert self.pins, "only pinned sessions can exhaust this pool"
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 31), min_size=1, max_size=4),
+          new=st.integers(1, 6), pin=st.booleans())
+    def follow_up(self, data, tail, new, pin):
+        """The next turn of a finished conversation (a hybrid model resumes from its state)."""
+        (prompt, _), output = data.draw(st.sampled_from(sorted(self.history.items())))
+        try:
+            self.live.add(self.engine.submit(list(prompt) + output + tail,
+                                             SamplingParams(max_new_tokens=new), pin=pin))
         except KVPoolExhaustedError:
             assert self.pins, "only pinned sessions can exhaust this pool"
 
@@ -78,6 +97,9 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def pages_consistent(self):
         self.engine.kv.check_integrity()
+        if self.engine.states is not None:
+            self.engine.states.check_integrity()
+            assert self.engine.states.num_snapshots <= self.engine.states.max_snapshots
         s = self.engine.stats()
         assert s["pages_free"] + s["pages_cached"] <= s["pages_total"]
         if not self.live:
@@ -95,6 +117,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.kv.evict(s["pages_total"])
         assert self.engine.stats()["pages_free"] == s["pages_total"]
         self.engine.kv.check_integrity()
+        if self.engine.states is not None:  # every slot back, no snapshot past its pages
+            assert self.engine.states.num_free == self.engine.states.num_slots
+            assert self.engine.states.num_snapshots == 0
 
 
 def test_engine_lifecycle_keeps_page_invariants(tiny_model):

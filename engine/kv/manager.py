@@ -2,7 +2,8 @@
 
 Lifecycle of one sequence (one turn of an agent):
 
-    kv = begin(tokens, max_cached)     reuse the longest cached prefix (pages shared, node locked)
+    kv = begin(tokens, max_cached)     reuse the longest cached prefix (pages shared, node locked;
+                                       with_state: the longest ending at a state snapshot)
     reserve(kv, n) -> bool             promise the pages that growing to n tokens can need
     slots = extend(kv, n)              slot ids for the new positions (model writes K/V there)
     truncate(kv, n)                    roll back rejected speculative tokens
@@ -61,8 +62,10 @@ class KVManager:
         self._pins: set[Pin] = set()
         self._reserved = 0  # sum of live sequences' `reserved`
 
-    def begin(self, tokens: list[int], max_cached: int) -> SeqKV:
-        match = self.radix.match(tokens[: max(0, max_cached)])
+    def begin(self, tokens: list[int], max_cached: int, with_state: bool = False) -> SeqKV:
+        """with_state: reuse only a prefix that ends where a node holds a state snapshot (a
+        hybrid model cannot resume anywhere else); `kv.node.state` is that snapshot."""
+        match = self.radix.match(tokens[: max(0, max_cached)], with_state)
         self.radix.lock(match.node)
         for page in match.pages:
             self.allocator.incref(page)

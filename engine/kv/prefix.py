@@ -40,6 +40,9 @@ class RadixNode:
         self.children: dict[int, RadixNode] = {}
         self.lock_ref = 0
         self.last_access = 0
+        # a hybrid model's per-sequence state after this node's end (kv.state_pool): what a
+        # prefix hit restores besides the pages; dies with the node
+        self.state: object | None = None
 
     @property
     def end(self) -> int:
@@ -71,11 +74,14 @@ class RadixCache:
         self.root = RadixNode(next(self._ids), None, 0, [], [])
         self._clock = 0
 
-    def match(self, tokens: Sequence[int]) -> PrefixMatch:
-        """Longest cached prefix of `tokens`; splits a node so the match ends on a boundary."""
-        node, length = self._walk(tokens)
+    def match(self, tokens: Sequence[int], with_state: bool = False) -> PrefixMatch:
+        """Longest cached prefix of `tokens`; splits a node so the match ends on a boundary.
+        with_state: the longest that ends where a node holds a `state` (or nothing)."""
+        node, _ = self._walk(tokens)
+        while with_state and node.parent is not None and node.state is None:
+            node = node.parent
         self._touch(node)
-        return PrefixMatch(node, length, self._page_table(node))
+        return PrefixMatch(node, node.end, self._page_table(node))
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> RadixNode:
         """Cache `tokens` whose KV lives in `pages` (page table of ceil(len/P) pages); the
@@ -122,6 +128,7 @@ class RadixCache:
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.tokens[0]]
+            leaf.state = None
             freed += sum(self.allocator.decref(page) for page in leaf.pages)
             if self._evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))

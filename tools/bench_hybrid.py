@@ -1,0 +1,97 @@
+"""Turn-N time to first token on a hybrid (Qwen3.5-shaped) target: resuming from the state
+snapshot where the previous turn ended, against computing the whole history again.
+
+    python tools/bench_hybrid.py                       # 2k and 8k tokens of history
+    python tools/bench_hybrid.py --history 2048 --hidden 1024 --layers 16
+
+A random Qwen3.5 text model (three Gated DeltaNet layers to each gated-attention layer, as the
+published models; its size set by the flags) is saved to a temporary directory and loaded by
+`Engine.from_dir`, eager. For each history length H: turn 1 prefills H tokens and generates 16;
+turn 2 sends turn 1's prompt and reply plus 64 new tokens, once resuming (the engine restores
+the snapshot and computes the new tokens) and once with reuse=False (the whole prompt computed).
+Reported: each turn-2 TTFT, the tokens each computed, and the bytes of one state snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from agentflash.engine.config import CacheConfig
+from agentflash.engine.engine import Engine
+from agentflash.engine.sampler import SamplingParams
+
+
+def hybrid_checkpoint(path: Path, args: argparse.Namespace) -> None:
+    layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                   for i in range(args.layers)]
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers, layer_types=layer_types,
+        num_attention_heads=args.hidden // 128, num_key_value_heads=2, head_dim=128,
+        linear_num_key_heads=args.hidden // 128, linear_num_value_heads=args.hidden // 64,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        max_position_embeddings=max(args.history) + 1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                         "partial_rotary_factor": 0.25}, dtype="bfloat16")
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def ttft(engine: Engine, prompt: list[int], reuse: bool) -> tuple[float, int]:
+    done, = engine.generate([prompt], SamplingParams(max_new_tokens=1), reuse=reuse)
+    c = done.counters
+    return c.first_token_at - c.submitted_at, c.prefill_tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--history", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = random.Random(0)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hybrid_checkpoint(Path(tmp), args)
+        longest = max(args.history) + 1024
+        engine = Engine.from_dir(tmp, cache=CacheConfig(16, 2 * -(-longest // 16) + 64),
+                                 dtype=torch.bfloat16, max_model_len=longest)
+        assert engine.states is not None
+        snapshot = sum(t[0].numel() * t.element_size()
+                       for t in (*engine.states.conv, *engine.states.recurrent))
+        params = sum(p.numel() for p in engine.model.parameters())
+        for history in args.history:
+            prompt = [rng.randrange(args.vocab) for _ in range(history)]
+            first, = engine.generate([prompt], SamplingParams(max_new_tokens=16))
+            turn2 = prompt + first.output_ids + [rng.randrange(args.vocab) for _ in range(64)]
+            resumed_s, resumed_tokens = ttft(engine, turn2, reuse=True)
+            scratch_s, scratch_tokens = ttft(engine, turn2, reuse=False)
+            results.append({"history": history, "turn2_tokens": len(turn2),
+                            "resumed_ttft_s": resumed_s, "resumed_computed": resumed_tokens,
+                            "recomputed_ttft_s": scratch_s, "recomputed_computed": scratch_tokens})
+            print(json.dumps(results[-1]), flush=True)
+            engine.clear_cache()
+    print(f"\nrandom Qwen3.5-shaped model: {params / 1e6:.0f}M parameters, {args.layers} layers "
+          f"(3 linear : 1 full), hidden {args.hidden}, bf16, eager, {args.threads} threads; "
+          f"one state snapshot {snapshot / 2**20:.2f} MiB\n")
+    print("| history | turn-2 TTFT resuming | computed | turn-2 TTFT recomputing | computed |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['history']} | {1e3 * r['resumed_ttft_s']:.0f} ms | {r['resumed_computed']} "
+              f"| {1e3 * r['recomputed_ttft_s']:.0f} ms | {r['recomputed_computed']} |")
+
+
+if __name__ == "__main__":
+    main()
