@@ -246,3 +246,29 @@ def test_hybrid_models_skip_the_fast_path(hybrid: tuple[Path, Any]) -> None:
     assert Engine(model, cache=CACHE).fast_paths == []
     with pytest.raises(ValueError, match="hybrid"):
         Engine(model, cache=CACHE, quantize="int4")
+
+
+@pytest.mark.anyio
+async def test_an_agent_on_a_hybrid_model_reuses_its_turns(tmp_path: Path) -> None:
+    """The Agent API on a (random) hybrid model with the embedded tokenizer: its second turn
+    is cached to the end of the first reply, the state resumed from the snapshot there."""
+    import shutil
+
+    from agentflash import Agent, Runtime
+    from agentflash.embedded import embedded_model_dir
+
+    make_hf(seed=9, vocab_size=4096, max_position_embeddings=1024).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_model_dir() / name, tmp_path / name)
+    runtime = Runtime.load(tmp_path, draft=False)
+    try:
+        async with Agent(runtime, "You are a helpful assistant.", max_tokens=8) as agent:
+            first = await agent.step("Say hello.")
+            second = await agent.step("Thanks.")
+        u1, u2 = first.usage, second.usage
+        assert u2.cached_tokens == u1.prompt_tokens + u1.completion_tokens - 1
+        assert u2.compute is not None
+        assert u2.compute.prefill_tokens_computed == u2.prompt_tokens - u2.cached_tokens
+        assert runtime.stats()["pages_pinned"] == 0
+    finally:
+        runtime.close()
