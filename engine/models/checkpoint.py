@@ -28,6 +28,16 @@ DTYPES = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def load_dtype(dtype: torch.dtype | None, stored: str = "float32") -> torch.dtype:
+    """The dtype to load in: `dtype`, or (None) the checkpoint's `stored` one (float32 if it
+    names none we support); ValueError for a dtype we do not load."""
+    if dtype is None:
+        dtype = DTYPES.get(stored, torch.float32)
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype {dtype} is not supported (supported: {sorted(DTYPES)})")
+    return dtype
+
+
 class SafetensorsDir(Mapping[str, torch.Tensor]):
     """Lazy name -> tensor view of a directory's safetensors weights (read from disk on access)."""
 

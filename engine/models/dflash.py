@@ -33,7 +33,7 @@ from ..config import read_config_json
 from ..errors import CheckpointError
 from .dflash_config import DFlashConfig, check_compatible, default_target_layer_ids
 from .layers import RMSNorm
-from .checkpoint import DTYPES, assemble_state, read_safetensors_dir
+from .checkpoint import assemble_state, load_dtype, read_safetensors_dir
 from .loader import unfused_sources
 from .qwen3 import CausalLM, DecoderLayer
 from .rope import RotaryEmbedding, apply_rope
@@ -188,9 +188,7 @@ def load_drafter(
         raise CheckpointError(f"drafter directory {root} does not exist")
     config = DFlashConfig.from_hf(read_config_json(root))
     check_compatible(config, target.config)
-    dtype = target.dtype if dtype is None else dtype
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype {dtype} is not supported (supported: {sorted(DTYPES)})")
+    dtype = load_dtype(target.dtype if dtype is None else dtype)
     device = target.device if device is None else torch.device(device)
     tensors = read_safetensors_dir(root)
     with torch.device("meta"):

@@ -17,7 +17,7 @@ import torch
 
 from ..config import ModelConfig, read_config_json
 from ..errors import CheckpointError
-from .checkpoint import DTYPES, assemble_state, read_safetensors_dir
+from .checkpoint import assemble_state, load_dtype, read_safetensors_dir
 from .qwen3 import CausalLM
 from .qwen3_5 import ARCHITECTURES as HYBRID_ARCHITECTURES
 from .qwen3_5 import HybridCausalLM, load_qwen3_5
@@ -34,10 +34,7 @@ def load_model(
     if set(read_config_json(root).get("architectures") or []) & set(HYBRID_ARCHITECTURES):
         return load_qwen3_5(root, dtype, device)
     config = ModelConfig.from_dir(root)
-    if dtype is None:
-        dtype = DTYPES.get(config.torch_dtype, torch.float32)
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype {dtype} is not supported (supported: {sorted(DTYPES)})")
+    dtype = load_dtype(dtype, config.torch_dtype)
     tensors = read_safetensors_dir(root)
     with torch.device("meta"):
         model = CausalLM(config)

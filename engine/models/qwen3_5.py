@@ -36,7 +36,7 @@ from ..config import RopeConfig, generation_eos_ids, read_config_json
 from ..errors import CheckpointError, UnsupportedModelError
 from .gated_deltanet import GatedDeltaNet, RecurrentStates, conv_dim
 from .layers import GatedMLP
-from .checkpoint import DTYPES, assemble_state, read_safetensors_dir
+from .checkpoint import assemble_state, load_dtype, read_safetensors_dir
 from .qwen3 import CausalLM, ModelOutput
 from .rope import RotaryEmbedding, apply_rope
 
@@ -366,10 +366,7 @@ def load_qwen3_5(
     checkpoint's). Returns an eval-mode model without gradients."""
     root = Path(model_dir)
     config = HybridConfig.from_dir(root)
-    if dtype is None:
-        dtype = DTYPES.get(config.torch_dtype, torch.float32)
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype {dtype} is not supported (supported: {sorted(DTYPES)})")
+    dtype = load_dtype(dtype, config.torch_dtype)
     tensors = read_safetensors_dir(root)
     nested = any(name.startswith("model.language_model.") for name in tensors)
     prefix = "model.language_model." if nested else "model."
