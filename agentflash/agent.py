@@ -133,7 +133,7 @@ class Agent:
         self.messages: list[dict[str, Any]] = (
             [{"role": "system", "content": instructions}] if instructions else [])
         self._schemas = [t.openai_schema() for t in self.tools.values()]
-        self._history: History | None = None      # local: tokens the model saw, to its reply
+        self._history: History | None = History((), 0)  # local: the tokens the model saw
         self._pending: dict[str, ToolCall] = {}   # schema-only calls awaiting results
         self._closed = False
         self._busy = False

@@ -8,7 +8,8 @@ else through agentflash.history (a resent history continues from the exact token
 this runtime produced). The returned `ChatTurn.events()` constrains tool calls and JSON output
 with the same grammars as everywhere (agentflash.structured), runs one generation and streams
 `TextChunk`s and `CallChunk`s, then a `ChatReply` with the assistant message, the finish
-reason and the usage, and remembers the reply's tokens for the next turn. `complete()` is the
+reason, the usage and the `History` through the reply, and (for requests without a History)
+remembers the reply's tokens for the next resent turn. `complete()` is the
 raw-text counterpart. Cancelling the iterating task aborts the generation and frees its KV.
 """
 
@@ -27,7 +28,7 @@ from .errors import ContextLengthError
 from .history import message_text
 from .remote import RemoteRuntime
 from .request import (CallChunk, ChatEvent, ChatReply, ChatRequest, History, TextChunk, Turn,
-                      output_schema_of, reply_message, tool_choice_of)
+                      reply_message)
 from .runtime import Runtime
 from .step import ToolCall
 from .structured import OutputSpec
@@ -92,10 +93,13 @@ class ChatTurn:
             if request.constrained else None                 # ToolSchemaError: bad schema
         self.messages = render_messages(request.messages)
         history = request.history
-        if history is not None:
+        if history is not None and history.tokens:
             self.prompt = runtime.chat.prompt(list(history.tokens), history.messages,
                                               self.messages, list(request.tools))
             self.remembered = len(history.tokens)
+        elif history is not None:  # a caller that keeps its own tokens, before its first reply
+            self.prompt, self.remembered = runtime.chat.prompt(
+                None, 0, self.messages, list(request.tools)), 0
         else:
             self.prompt, self.remembered = runtime.replies.prompt(self.messages, request.tools)
         params = replace(request.params, max_new_tokens=_budget(
@@ -160,7 +164,9 @@ class ChatTurn:
         ended = bool(output) and output[-1] in rt.eos_ids
         reply_ids = (output[:-1] if ended else output) + [rt.chat.eos_token_id]
         tokens = self.prompt + reply_ids
-        rt.replies.remember(self.messages, request.tools, render_messages([message])[0], tokens)
+        if request.history is None:  # a client that resends messages: remember the tokens
+            rt.replies.remember(self.messages, request.tools, render_messages([message])[0],
+                                tokens)
         yield ChatReply(text or None, calls, finish,
                         _usage(rt, done, len(self.prompt), output, t0), message, done.pin,
                         output, History(tuple(tokens), len(request.messages) + 1), malformed)

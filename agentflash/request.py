@@ -30,7 +30,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 @dataclass(frozen=True)
 class History:
     """The exact tokens a model saw through the first `messages` messages of a conversation
-    (ending with its last reply): a local prompt continues from them instead of re-rendering."""
+    (ending with its last reply): a local prompt continues from them instead of re-rendering.
+    A caller that keeps its own history (the Agent) starts from the empty one, `History((), 0)`;
+    requests without one are matched against the runtime's memory of replies."""
 
     tokens: tuple[int, ...]
     messages: int

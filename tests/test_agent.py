@@ -84,6 +84,18 @@ async def test_turn_n_prefills_only_its_new_tokens(rt):
 
 
 @pytest.mark.anyio
+async def test_agents_keep_their_own_tokens_not_the_reply_memory(rt):
+    """An agent passes its exact History with each step, so its turns add nothing to the
+    runtime's memory of replies (that serves clients that resend whole histories)."""
+    before = len(rt.replies)
+    async with Agent(rt, "You are a helpful assistant.", max_tokens=8) as agent:
+        await agent.step("Say hello.")
+        second = await agent.step("Thanks.")
+    assert len(rt.replies) == before
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.anyio
 async def test_a_reply_ended_by_another_eos_closes_its_turn(rt, tmp_path):
     """A reply that stops at an eos other than the end-of-turn token (generation_config.json's
     <|endoftext|>, here a token the reply is known to hold) ends its turn in the session with the

@@ -22,10 +22,11 @@ import pydantic
 import pytest
 
 from agentflash import Agent, RemoteRuntime, Runtime, StepEvent, TextEvent, tool
-from agentflash.errors import (ContextLengthError, RemoteAuthError, RemoteRequestError,
-                               ServerUnavailableError)
+from agentflash.errors import (AgentflashError, ContextLengthError, RemoteAuthError,
+                               RemoteRequestError, ServerUnavailableError)
 from agentflash.report import write_report
 from agentflash.server import create_app
+from agentflash.usage import Pricing
 from conftest import assert_clean, running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -109,9 +110,10 @@ def running_requests(url: str) -> float:
 # ---- the suite, on both servers ------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_connect_finds_the_model_and_the_server(remote):
-    assert remote.model_name
-    assert remote.kind in ("vllm", "agentflash")
+async def test_connect_finds_the_model_and_its_context(remote):
+    # (the fixture checks the server kind read from owned_by)
+    assert remote.model_name == {"vllm": "m", "agentflash": "agentflash-11m"}[remote.kind]
+    assert remote.max_model_len == 4096
 
 
 @pytest.mark.anyio
@@ -167,6 +169,23 @@ async def test_step_two_reports_cached_tokens(remote):
         assert spec.drafts <= spec.committed_tokens <= spec.accepted_tokens + spec.drafts
         assert sum(spec.acceptance_histogram.values()) == spec.drafts
     assert u2.timing.ttft_s > 0 and u2.timing.total_s >= u2.timing.ttft_s
+
+
+@pytest.mark.anyio
+async def test_cost_comes_from_a_token_price_sheet_and_not_from_compute(remote):
+    sheet = Pricing(input_per_1m=3.0, cached_input_per_1m=0.3, output_per_1m=15.0)
+    for pricing, priced in ((sheet, True), (Pricing(usd_per_hour=2.0), False)):
+        runtime = Runtime.connect(remote.base_url, pricing=pricing)
+        async with Agent(runtime, "You are a helpful assistant.", max_tokens=8) as agent:
+            u = (await agent.step("Say hi.")).usage
+        await runtime.aclose()
+        if not priced:  # the server's compute time is unknown here: no cost, not $0
+            assert u.cost is None
+            continue
+        assert u.cost is not None and u.cached_tokens is not None
+        expected = 1e-6 * (3.0 * (u.prompt_tokens - u.cached_tokens) + 0.3 * u.cached_tokens
+                           + 15.0 * u.completion_tokens)
+        assert u.cost.usd == pytest.approx(expected) and u.cost.usd > 0
 
 
 @pytest.mark.anyio
@@ -360,5 +379,5 @@ def test_options_a_server_decides_are_refused(faulty):
     url, _ = faulty
     runtime = Runtime.connect(url)
     for options in ({"speculative": False}, {"reuse_kv": False}):
-        with pytest.raises(Exception, match="need a local runtime"):
+        with pytest.raises(AgentflashError, match="need a local runtime"):
             Agent(runtime, **options)

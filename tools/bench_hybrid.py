@@ -18,7 +18,6 @@ import argparse
 import json
 import random
 import tempfile
-import time
 from pathlib import Path
 
 import torch

@@ -121,8 +121,12 @@ def reported_usage(report: dict[str, Any], metrics: dict[str, Any] | None, timin
         server = own["timing"]
         timing = timing.model_copy(update={k: server.get(k) for k in
                                            ("queue_s", "prefill_s", "grammar_s")})
-    cost = Cost.of_tokens(pricing, prompt, cached, completion) if pricing is not None and \
-        pricing.usd_per_hour is None else (None if pricing is not None else Cost())
+    if pricing is None:
+        cost: Cost | None = Cost()
+    elif pricing.usd_per_hour is None:  # a token price sheet: the bill from the counts
+        cost = Cost.of_tokens(pricing, prompt, cached, completion)
+    else:  # per device-hour: the server's compute time is not known here
+        cost = None
     return Usage(
         prompt_tokens=prompt, completion_tokens=completion,
         prompt_tokens_details=PromptTokensDetails(
