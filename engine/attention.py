@@ -6,6 +6,9 @@ calls `backend.attend(layer, q, k, v)`. The backend decides where keys come from
 - `PagedAttention`: the tokens' K/V are stored into the pool first, then every query attends over
   its sequence's cached keys up to its own position (prefill chunks, decode and verify blocks
   are all this one case: a run of new queries at the end of a cached prefix).
+- `KernelAttention`: the same for decode rows and verify blocks through agentflash's AVX512-BF16
+  kernel (kernels.cpu_ops.paged_attention), which reads the pool in place; what a compiled step
+  runs where the kernel does (engine.compiled).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-from agentflash.kernels import dispatch
+from agentflash.kernels import cpu_ops, dispatch
 from agentflash.kernels.reference import (INVARIANT_MAX_QUERIES, ChunkPlan, chunk_plan,
                                           gather_slots)
 
@@ -160,6 +163,54 @@ class PagedAttention:
                 q[g.rows], k_cache, v_cache, g.gather, g.q_index, g.out_index, g.mask,
                 self.scale, g.plan)
         return out
+
+
+@dataclass
+class KernelAttention:
+    """Paged attention for one forward of decode rows and verify blocks through the CPU kernel:
+    query t sees the first `token_keys[t]` keys of sequence `token_seq[t]`, whose key j sits in
+    slot `key_slots[seq, j]` of every layer's cache."""
+
+    k_caches: Sequence[torch.Tensor]
+    v_caches: Sequence[torch.Tensor]
+    slot_mapping: torch.Tensor       # [T] where each new token's K/V goes
+    key_slots: torch.Tensor          # [B, L] slots of each sequence's keys (whole pages)
+    token_seq: torch.Tensor          # [T] each query's sequence
+    token_keys: torch.Tensor         # [T] how many keys each query sees (its position + 1)
+    scale: float
+
+    @classmethod
+    def build(
+        cls,
+        k_caches: Sequence[torch.Tensor],
+        v_caches: Sequence[torch.Tensor],
+        page_tables: Sequence[Sequence[int]],
+        ctx_lens: Sequence[int],
+        num_new: Sequence[int],
+        page_size: int,
+        scale: float,
+    ) -> KernelAttention:
+        """As `PagedAttention.build`: sequence b's last `num_new[b]` of `ctx_lens[b]` tokens
+        are the queries, laid out in batch order."""
+        seq: list[int] = []
+        keys: list[int] = []
+        slots: list[int] = []
+        for b, (pages, n, new) in enumerate(zip(page_tables, ctx_lens, num_new)):
+            seq.extend([b] * new)
+            keys.extend(range(n - new + 1, n + 1))
+            slots.extend(pages[p // page_size] * page_size + p % page_size
+                         for p in range(n - new, n))
+        device = k_caches[0].device
+        return cls(k_caches, v_caches, torch.tensor(slots, dtype=torch.long, device=device),
+                   slot_table(page_tables, page_size).to(device),
+                   torch.tensor(seq, dtype=torch.long, device=device),
+                   torch.tensor(keys, dtype=torch.long, device=device), scale)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        dispatch.store_kv(k_cache, v_cache, self.slot_mapping, k, v)
+        return cpu_ops.paged_attention(q, k_cache, v_cache, self.key_slots, self.token_seq,
+                                       self.token_keys, self.scale)
 
 
 def _build_group(

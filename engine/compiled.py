@@ -38,12 +38,13 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from agentflash.kernels import reference
+from agentflash.kernels import cpu_ops, reference
 
 from . import attention as attention_module
-from .attention import PagedAttention, PagedDraftAttention
-from .models import dflash, layers, qwen3, rope
+from .attention import KernelAttention, PagedAttention, PagedDraftAttention
+from .models import dflash, kernel_linear, layers, qwen3, rope
 from .models.dflash import DFlashDraftModel
+from .models.kernel_linear import KernelLinear, with_kernel_linears
 from .models.qwen3 import CausalLM
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ INDUCTOR_OPTIONS = {"freezing": True}
 rounds fused kernels' intermediates to bfloat16 as eager does, was measured to break the equality
 of batched decode rows and verify blocks: tests/test_embedded.py failed with it.)"""
 
-_SOURCES = (reference, attention_module, dflash, layers, qwen3, rope,
+_SOURCES = (reference, attention_module, cpu_ops, dflash, kernel_linear, layers, qwen3, rope,
             sys.modules[__name__])
 """Modules whose code the compiled program is made of: their source is part of the cache key."""
 
@@ -96,22 +97,48 @@ class StepArgs:
     ids: torch.Tensor            # [T]
     positions: torch.Tensor      # [T]
     slot_mapping: torch.Tensor   # [T] where each new token's K/V goes
-    q_index: torch.Tensor        # [B, Q] token row per (sequence, query); T means padding
-    out_index: torch.Tensor      # [T] row of the [B*Q] attention output holding each token
-    kv_index: torch.Tensor       # [B, Hkv, n, C] ChunkPlan.kv_index
-    visible: torch.Tensor        # [B, n, Q, C] ChunkPlan.visible
+    attention: tuple[torch.Tensor, ...]
+    """With the CPU kernels, KernelAttention's (key_slots [B, L], token_seq [T], token_keys
+    [T]); else the torch path's (q_index [B, Q]: token row per (sequence, query), T padding;
+    out_index [T]: row of the [B*Q] output holding each token; the ChunkPlan's kv_index
+    [B, Hkv, n, C] and visible [B, n, Q, C])."""
 
 
-def step_args(ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention) -> StepArgs:
-    """The compiled forward's inputs for a forward whose metadata `attn` was built with
-    `one_group=True` on CPU in bfloat16 (so it has a ChunkPlan)."""
+def step_args(ids: torch.Tensor, positions: torch.Tensor,
+              attn: PagedAttention | KernelAttention) -> StepArgs:
+    """The compiled forward's inputs for a forward whose metadata is `attn`: a KernelAttention,
+    or a PagedAttention built with `one_group=True` on CPU in bfloat16 (so with a ChunkPlan)."""
+    if isinstance(attn, KernelAttention):
+        return StepArgs(ids, positions, attn.slot_mapping,
+                        (attn.key_slots, attn.token_seq, attn.token_keys))
     (group,) = attn.groups
     assert group.plan is not None
     out_index = group.out_index
     if out_index is None:
         out_index = torch.arange(ids.shape[0], device=ids.device)
-    return StepArgs(ids, positions, attn.slot_mapping, group.q_index, out_index,
-                    group.plan.kv_index, group.plan.visible)
+    return StepArgs(ids, positions, attn.slot_mapping,
+                    (group.q_index, out_index, group.plan.kv_index, group.plan.visible))
+
+
+def use_kernels(kernels: bool | None = None) -> bool:
+    """Whether programs compute their linear layers with agentflash's AVX512-BF16 kernel
+    (kernels.cpu_ops: faster than oneDNN at a few rows) rather than oneDNN's matmul:
+    where it runs, unless `kernels` is False."""
+    return kernels is not False and cpu_ops.available()
+
+
+def _kernel_linears(module: nn.Module) -> nn.Module:
+    """`module` with its linears through the kernel (a copy sharing the weights); a drafter's
+    context K/V rows too (the K and V rows of each layer's fused qkv_proj, as a linear)."""
+    out = with_kernel_linears(module)
+    if isinstance(module, DFlashDraftModel):
+        rows = []
+        for layer in module.layers:
+            qkv, q_size = layer.self_attn.qkv_proj, layer.self_attn.split_sizes[0]
+            rows.append(KernelLinear(
+                qkv.weight[q_size:], None if qkv.bias is None else qkv.bias[q_size:]))
+        out.context_kv_proj = nn.ModuleList(rows)
+    return out
 
 
 class _Step(nn.Module):
@@ -119,17 +146,26 @@ class _Step(nn.Module):
     with a drafter, the drafter's context K/V of the fed positions stored into its caches (the
     runner's `_store_draft_context`, folded in)."""
 
-    def __init__(self, model: CausalLM, drafter: DFlashDraftModel | None) -> None:
+    def __init__(self, model: CausalLM, drafter: DFlashDraftModel | None,
+                 kernels: bool) -> None:
         super().__init__()
         self.model = _without_head(model)
+        self.kernels = kernels
+        if kernels:
+            self.model = _kernel_linears(self.model)
+            drafter = None if drafter is None else _kernel_linears(drafter)
         self.drafter = drafter
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
-    def forward(self, ids, positions, slot_mapping, q_index, out_index, kv_index, visible,
-                k_caches, v_caches, draft_k_caches, draft_v_caches):
-        attn = PagedAttention.from_plan(
-            k_caches, v_caches, slot_mapping, q_index, out_index,
-            reference.ChunkPlan(kv_index, visible), self.model.attention_scale)
+    def forward(self, ids, positions, slot_mapping, attention, k_caches, v_caches,
+                draft_k_caches, draft_v_caches):
+        scale = self.model.attention_scale
+        if self.kernels:
+            attn = KernelAttention(k_caches, v_caches, slot_mapping, *attention, scale)
+        else:
+            q_index, out_index, kv_index, visible = attention
+            attn = PagedAttention.from_plan(k_caches, v_caches, slot_mapping, q_index, out_index,
+                                            reference.ChunkPlan(kv_index, visible), scale)
         out = self.model(ids, positions, attn, self.capture)
         if self.drafter is not None:
             ctx = self.drafter.context_features(out.captured)
@@ -142,10 +178,11 @@ class _Draft(nn.Module):
     """What is exported for the drafter: N blocks of B tokens embedded, through its layers over
     each sequence's cached context K/V, to the final norm (the head stays eager)."""
 
-    def __init__(self, model: CausalLM, drafter: DFlashDraftModel, block_size: int) -> None:
+    def __init__(self, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
+                 kernels: bool) -> None:
         super().__init__()
         self.embed = model.embed_tokens
-        self.drafter = drafter
+        self.drafter = _kernel_linears(drafter) if kernels else drafter
         self.block_size = block_size
 
     def forward(self, ids, positions, gather, ctx_lens, k_caches, v_caches):
@@ -169,15 +206,17 @@ def _without_head(model: CausalLM) -> CausalLM:
 class CompiledProgram:
     """A loaded AOTInductor package: built on first use, then loaded from the disk cache."""
 
-    def __init__(self, run: Callable, path: Path, compiled: bool, seconds: float) -> None:
+    def __init__(self, run: Callable, path: Path, compiled: bool, seconds: float,
+                 kernels: bool) -> None:
         self.run = run
         self.path = path
         self.compiled = compiled   # False: loaded from the disk cache
         self.seconds = seconds     # compiling (or loading) it
+        self.kernels = kernels     # its linears run agentflash's AVX512-BF16 kernel
 
     @classmethod
     def load_or_build(cls, name: str, key: str, make: Callable[[], tuple],
-                      directory: Path | None = None) -> CompiledProgram:
+                      directory: Path | None = None, kernels: bool = False) -> CompiledProgram:
         """`make()` gives (module, example inputs, dynamic shapes) to export when the package
         `name-key.pt2` is not in the cache yet."""
         t0 = time.perf_counter()
@@ -192,7 +231,7 @@ class CompiledProgram:
         run = torch._inductor.aoti_load_package(str(path))
         seconds = time.perf_counter() - t0
         log.info("%s %s in %.1f s: %s", name, "compiled" if compiled else "loaded", seconds, path)
-        return cls(run, path, compiled, seconds)
+        return cls(run, path, compiled, seconds, kernels)
 
 
 class CompiledForward:
@@ -205,21 +244,35 @@ class CompiledForward:
 
     @classmethod
     def build(cls, model: CausalLM, drafter: DFlashDraftModel | None = None,
-              page_size: int = 16, directory: Path | None = None) -> CompiledForward:
+              page_size: int = 16, directory: Path | None = None,
+              kernels: bool | None = None) -> CompiledForward:
         """Load the program for `model` (and `drafter`'s context store) from the cache,
         compiling it first when it is not there. The models must hold plain `nn.Linear`
-        layers (before engine.fastpath packs them: freezing packs its own copy)."""
-        key = cache_key(model, drafter)
+        layers (before engine.fastpath packs them: freezing packs its own copy). kernels:
+        linears through the AVX512-BF16 kernel (`use_kernels`; None: where it runs)."""
+        kernels = use_kernels(kernels)
+        key = cache_key(model, drafter, _linears(kernels))
         return cls(CompiledProgram.load_or_build(
-            "step", key, lambda: _step_export(model, drafter, page_size), directory))
+            "step", key, lambda: _step_export(model, drafter, page_size, kernels), directory,
+            kernels))
+
+    def attention(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                  page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int],
+                  num_new: Sequence[int], page_size: int,
+                  scale: float) -> KernelAttention | PagedAttention:
+        """A forward's attention metadata in the form this program takes (`step_args`)."""
+        if self.program.kernels:
+            return KernelAttention.build(k_caches, v_caches, page_tables, ctx_lens, num_new,
+                                         page_size, scale)
+        return PagedAttention.build(k_caches, v_caches, page_tables, ctx_lens, num_new,
+                                    page_size, scale, one_group=True)
 
     def __call__(self, args: StepArgs, k_caches: Sequence[torch.Tensor],
                  v_caches: Sequence[torch.Tensor], draft_k_caches: Sequence[torch.Tensor] = (),
                  draft_v_caches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         return self.program.run(
-            args.ids, args.positions, args.slot_mapping, args.q_index, args.out_index,
-            args.kv_index, args.visible, list(k_caches), list(v_caches), list(draft_k_caches),
-            list(draft_v_caches))
+            args.ids, args.positions, args.slot_mapping, args.attention, list(k_caches),
+            list(v_caches), list(draft_k_caches), list(draft_v_caches))
 
 
 class CompiledDraft:
@@ -232,17 +285,25 @@ class CompiledDraft:
 
     @classmethod
     def build(cls, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
-              page_size: int = 16, directory: Path | None = None) -> CompiledDraft:
-        key = cache_key(model, drafter, block_size)
+              page_size: int = 16, directory: Path | None = None,
+              kernels: bool | None = None) -> CompiledDraft:
+        kernels = use_kernels(kernels)
+        key = cache_key(model, drafter, block_size, _linears(kernels))
         return cls(CompiledProgram.load_or_build(
-            "draft", key, lambda: _draft_export(model, drafter, block_size, page_size),
-            directory))
+            "draft", key, lambda: _draft_export(model, drafter, block_size, page_size, kernels),
+            directory, kernels))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, gather: torch.Tensor,
                  ctx_lens: torch.Tensor, k_caches: Sequence[torch.Tensor],
                  v_caches: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.program.run(ids, positions, gather, ctx_lens, list(k_caches),
                                 list(v_caches))
+
+
+def _linears(kernels: bool) -> str:
+    """What computes a program's linears and attention, for its cache key (the kernels'
+    sources included)."""
+    return f"avx512-bf16-{cpu_ops.source_digest()}" if kernels else "onednn"
 
 
 @functools.cache
@@ -301,7 +362,8 @@ _PAGES = 160
 """Pages of the example caches (the example sequences below need 134 of 16 tokens)."""
 
 
-def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: int) -> tuple:
+def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: int,
+                 kernels: bool) -> tuple:
     """The target program's module, example inputs and dynamic shapes. Every dynamic size of
     the example is distinct (export would tie equal ones together): 3 sequences of 1200 / 640 /
     300 tokens bringing 4 / 2 / 1 new ones (T 7, B 3, Q 4, 5 key chunks)."""
@@ -317,25 +379,33 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
         draft_k = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
         draft_v = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
     ctx_lens, num_new = [1200, 640, 300], [4, 2, 1]
-    attn = PagedAttention.build(k_caches, v_caches, _tables(ctx_lens, page_size), ctx_lens,
-                                num_new, page_size, model.attention_scale, one_group=True)
+    build = (KernelAttention.build if kernels
+             else functools.partial(PagedAttention.build, one_group=True))
+    attn = build(k_caches, v_caches, _tables(ctx_lens, page_size), ctx_lens, num_new, page_size,
+                 model.attention_scale)
     positions = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx_lens, num_new)])
     a = step_args(torch.zeros(sum(num_new), dtype=torch.long), positions, attn)
-    example = (a.ids, a.positions, a.slot_mapping, a.q_index, a.out_index, a.kv_index,
-               a.visible, k_caches, v_caches, draft_k, draft_v)
+    example = (a.ids, a.positions, a.slot_mapping, a.attention, k_caches, v_caches, draft_k,
+               draft_v)
     Dim = torch.export.Dim
     tokens, seqs = Dim("tokens", min=1, max=1 << 16), Dim("seqs", min=1, max=1 << 12)
-    queries = Dim("queries", min=1, max=reference.INVARIANT_MAX_QUERIES)
-    chunks, slots = Dim("chunks", min=1, max=1 << 14), Dim("slots", min=page_size)
-    shapes = ({0: tokens}, {0: tokens}, {0: tokens}, {0: seqs, 1: queries}, {0: tokens},
-              {0: seqs, 2: chunks}, {0: seqs, 1: chunks, 2: queries},
+    slots = Dim("slots", min=page_size)
+    if kernels:
+        keys = Dim("keys", min=1, max=1 << 20)
+        attention: tuple = ({0: seqs, 1: keys}, {0: tokens}, {0: tokens})
+    else:
+        queries = Dim("queries", min=1, max=reference.INVARIANT_MAX_QUERIES)
+        chunks = Dim("chunks", min=1, max=1 << 14)
+        attention = ({0: seqs, 1: queries}, {0: tokens}, {0: seqs, 2: chunks},
+                     {0: seqs, 1: chunks, 2: queries})
+    shapes = ({0: tokens}, {0: tokens}, {0: tokens}, attention,
               [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches),
               [{0: slots}] * len(draft_k), [{0: slots}] * len(draft_v))
-    return _Step(model, drafter), example, shapes
+    return _Step(model, drafter, kernels), example, shapes
 
 
 def _draft_export(model: CausalLM, drafter: DFlashDraftModel, block_size: int,
-                  page_size: int) -> tuple:
+                  page_size: int, kernels: bool) -> tuple:
     """The drafter program's module, example inputs and dynamic shapes: 3 blocks over contexts
     of 1200 / 640 / 300 tokens (context slots padded to 76 pages)."""
     dcfg = drafter.config
@@ -353,7 +423,7 @@ def _draft_export(model: CausalLM, drafter: DFlashDraftModel, block_size: int,
     slots = Dim("slots", min=page_size)
     shapes = ({0: seqs * block_size}, {0: seqs * block_size}, {0: seqs, 1: keys}, {0: seqs},
               [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches))
-    return _Draft(model, drafter, block_size), example, shapes
+    return _Draft(model, drafter, block_size, kernels), example, shapes
 
 
 def _compile(make: Callable[[], tuple], path: Path) -> None:

@@ -45,6 +45,7 @@ from torch import nn
 from . import compiled as compiled_step
 from .compiled import CompiledDraft, CompiledForward
 from .models.dflash import DFlashDraftModel
+from .models.kernel_linear import KernelLinear
 from .models.packed import PackedLinear, pack_linears, packing_available
 from .models.quantized import int4_available, quantize_linears_int4
 from .models.qwen3 import CausalLM
@@ -70,6 +71,14 @@ def _cpu_bf16(model: CausalLM) -> bool:
 
 def _int4(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> None:
     quantize_linears_int4(model.layers)
+
+
+def _kernel_head(model: CausalLM) -> None:
+    """The head through the AVX512-BF16 kernel, on the checkpoint's matrix (no copy)."""
+    if model.lm_head is None or isinstance(model.lm_head, nn.Linear):
+        weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.lm_head = KernelLinear(weight, None if model.lm_head is None
+                                                else model.lm_head.bias)
 
 
 def _packs(model: CausalLM, quantize: str | None) -> bool:
@@ -98,7 +107,7 @@ def _kv_rows(attn: nn.Module) -> nn.Module:
                         None if bias is None else bias[q_size:])
 
 
-FAST_PATHS: list[FastPath] = [  # in order: int4 first, packing takes what int4 left
+FAST_PATHS: list[FastPath] = [  # in order: int4 first, packing takes what the others left
     FastPath("int4-weights", lambda model, quantize: quantize == "int4", _int4),
     FastPath("onednn-packed-bf16", _packs, _pack),
 ]
@@ -159,6 +168,9 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
                 if compiled is not None:
                     applied.append("aoti-compiled-step")
                     seconds["aoti-compiled-step"] = time.perf_counter() - t0
+                    if compiled.program.kernels:  # the head too: rows as invariant
+                        _kernel_head(model)
+                        applied.append("avx512-bf16-linears")
             if path.applies(model, quantize):
                 t0 = time.perf_counter()
                 path.apply(model, drafter, compiled is None)

@@ -99,10 +99,10 @@ class ModelRunner:
             page_tables.append(seq.kv.pages)
             ctx_lens.append(start + n)
             num_new.append(n)
-        attn = PagedAttention.build(
-            self.pool.k[: self.num_layers], self.pool.v[: self.num_layers], page_tables, ctx_lens,
-            num_new, self.kv.page_size, self.model.attention_scale, one_group=compiled,
-        )
+        meta = (self.pool.k[: self.num_layers], self.pool.v[: self.num_layers], page_tables,
+                ctx_lens, num_new, self.kv.page_size, self.model.attention_scale)
+        attn = (self.compiled.attention(*meta) if compiled and self.compiled is not None
+                else PagedAttention.build(*meta))
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         if compiled:  # with a drafter, the program stores its context K/V too

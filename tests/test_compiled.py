@@ -41,8 +41,8 @@ def _forward(run, model, tokens, ctx_lens, num_new, k, v):
         tables.append(list(range(first, first + -(-n // PAGE))))
         first += len(tables[-1])
     eager = run is None
-    attn = PagedAttention.build(k, v, tables, ctx_lens, num_new, PAGE, model.attention_scale,
-                                one_group=not eager)
+    meta = (k, v, tables, ctx_lens, num_new, PAGE, model.attention_scale)
+    attn = PagedAttention.build(*meta) if eager else run.attention(*meta)
     ids = torch.tensor(tokens)
     pos = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx_lens, num_new)])
     if eager:
@@ -85,8 +85,7 @@ def test_the_drafter_runs_compiled_and_its_context_is_stored_by_the_target_progr
     k, v = _caches(model, 128)
     dk, dv = _caches(model, 128, seed=1)
     dk, dv = dk[:len(drafter.layers)], dv[:len(drafter.layers)]
-    attn = PagedAttention.build(k, v, [list(range(63))], [1000], [16], PAGE,
-                                model.attention_scale, one_group=True)
+    attn = step.attention(k, v, [list(range(63))], [1000], [16], PAGE, model.attention_scale)
     ids, pos = torch.tensor(tokens), torch.arange(984, 1000)
     step(step_args(ids, pos, attn), k, v, dk, dv)
     captured = model(ids, pos, PagedAttention.build(

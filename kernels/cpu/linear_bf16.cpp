@@ -1,0 +1,164 @@
+// agentflash::linear_bf16: y = x W^T (+ b) for bfloat16 x [M, K] and W [N, K] on CPUs with
+// AVX512-BF16, built for the few rows of a decode step or a verify block.
+//
+// Why it exists (docs/performance.md): oneDNN's bf16 matmul costs 20-30 us a call at one row
+// whatever the size (a 384x384 layer takes as long as a 2048x384 one), so the 24 linears of an
+// agentflash-11m step cost ~1.6 ms where their weights stream from cache in ~0.3 ms; and at
+// Qwen3-0.6B's sizes it reads weights from memory at about a third of the bandwidth.
+//
+// How: every output y[m, n] is one dot product of x's row m and W's row n, accumulated by
+// `vdpbf16ps` over K in 32-element steps into 16 float32 lanes (the last step masked), then
+// summed across lanes, plus the bias, rounded once to bfloat16. That sequence of instructions
+// is the same for every output whatever M, the tile it is computed in, or the thread that
+// computes it (threads split the rows of W; each output belongs to one thread). So a row's
+// result does not depend on how many rows share the call: a verify block's rows are bitwise the
+// decode steps' rows, which greedy speculative decoding needs to equal plain decoding.
+// Tiles of up to 4 rows of x by 4 rows of W keep 16 accumulators in registers and reuse each
+// loaded vector 4 times; W is read in its plain row-major layout (no packing).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace {
+
+using agentflash_cpu::lane_sums;
+
+constexpr int kTile = 4;           // a tile is up to 4 rows of x by 4 rows of W
+constexpr int64_t kRowChunk = 64;  // rows of x per pass over a thread's rows of W
+
+struct Args {
+  const uint16_t* x;
+  int64_t ldx;
+  const uint16_t* w;
+  int64_t ldw;
+  const float* bias;  // [N] float32 or nullptr
+  uint16_t* y;
+  int64_t ldy;
+  int64_t K;
+  int64_t N;
+};
+
+// acc[i][j] += x[i, k:k+32] . w[j, k:k+32] (pairwise, in 16 float32 lanes); with Tail, only the
+// first K - k elements (the rest load as zeros).
+template <int MB, int NB, bool Tail>
+__attribute__((always_inline)) inline void step(__m512 (&acc)[MB][NB], const uint16_t* x,
+                                                int64_t ldx, const uint16_t* w, int64_t ldw,
+                                                const uint16_t* next, int64_t k, int64_t K) {
+  const __mmask32 mask = Tail ? (__mmask32{1} << (K - k)) - 1 : ~__mmask32{0};
+  __m512bh wv[NB];
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) {
+    wv[j] = (__m512bh)(Tail ? _mm512_maskz_loadu_epi16(mask, w + j * ldw + k)
+                            : _mm512_loadu_si512(w + j * ldw + k));
+    _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), _MM_HINT_T0);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i) {
+    const __m512bh xv = (__m512bh)(Tail ? _mm512_maskz_loadu_epi16(mask, x + i * ldx + k)
+                                        : _mm512_loadu_si512(x + i * ldx + k));
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+  }
+}
+
+// y[m0 : m0+MB, n0 : n0+NB]. A smaller tile computes each of its outputs exactly as the full
+// 4x4 tile would in the same place (its missing slots are zero vectors in the same tree).
+template <int MB, int NB>
+void tile(const Args& a, int64_t m0, int64_t n0) {
+  const uint16_t* x = a.x + m0 * a.ldx;
+  const uint16_t* w = a.w + n0 * a.ldw;
+  // the next tile's rows of W, fetched while this one computes (rows stream from memory)
+  const uint16_t* next = n0 + 2 * kTile <= a.N ? w + kTile * a.ldw : w;
+  __m512 acc[MB][NB];
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= a.K; k += 32) step<MB, NB, false>(acc, x, a.ldx, w, a.ldw, next, k, a.K);
+  if (k < a.K) step<MB, NB, true>(acc, x, a.ldx, w, a.ldw, next, k, a.K);
+  __m512 v[16];
+#pragma GCC unroll 16
+  for (int p = 0; p < 16; ++p)
+    v[p] = (p / kTile < MB && p % kTile < NB) ? acc[p / kTile][p % kTile] : _mm512_setzero_ps();
+  __m512 sums = lane_sums(v);  // element 4 i + j: output (m0 + i, n0 + j)
+  if (a.bias != nullptr)
+    sums = _mm512_add_ps(sums, _mm512_broadcast_f32x4(_mm_maskz_loadu_ps((1 << NB) - 1,
+                                                                         a.bias + n0)));
+  alignas(32) uint16_t out[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(sums));
+#pragma GCC unroll 4
+  for (int i = 0; i < MB; ++i)
+    std::memcpy(a.y + (m0 + i) * a.ldy + n0, out + i * kTile, NB * sizeof(uint16_t));
+}
+
+// Rows [m0, m1) of x against NB rows of W from n0 (m0 a multiple of 4).
+template <int NB>
+void rows(const Args& a, int64_t m0, int64_t m1, int64_t n0) {
+  int64_t m = m0;
+  for (; m + kTile <= m1; m += kTile) tile<kTile, NB>(a, m, n0);
+  switch (m1 - m) {
+    case 3: tile<3, NB>(a, m, n0); break;
+    case 2: tile<2, NB>(a, m, n0); break;
+    case 1: tile<1, NB>(a, m, n0); break;
+    default: break;
+  }
+}
+
+void columns(const Args& a, int64_t m0, int64_t m1, int64_t n0) {
+  switch (std::min<int64_t>(kTile, a.N - n0)) {
+    case 4: rows<4>(a, m0, m1, n0); break;
+    case 3: rows<3>(a, m0, m1, n0); break;
+    case 2: rows<2>(a, m0, m1, n0); break;
+    default: rows<1>(a, m0, m1, n0); break;
+  }
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "linear_bf16: x [M, K] and weight [N, K], got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "linear_bf16: bfloat16 x and weight");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_bf16: CPU tensors");
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor wc = weight.stride(1) == 1 ? weight : weight.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_bf16: bias [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  const Args a{reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
+               reinterpret_cast<const uint16_t*>(wc.data_ptr()), wc.stride(0),
+               bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+               reinterpret_cast<uint16_t*>(y.data_ptr()), N, K, N};
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  // at least ~16 KB of weights per task: smaller ones cost more to hand out than to compute
+  const int64_t grain = std::max<int64_t>(1, 16384 / (2 * kTile * std::max<int64_t>(K, 1)));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(M, m0 + kRowChunk);
+      for (int64_t t = t0; t < t1; ++t) columns(a, m0, m1, t * kTile);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(agentflash, m) {
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(agentflash, CPU, m) { m.impl("linear_bf16", &linear_bf16); }

@@ -1,0 +1,110 @@
+"""agentflash's AVX512-BF16 CPU kernels (kernels.cpu_ops): close to a float32 reference, and each
+row bitwise independent of what else is in the call (what makes a verify block's rows the decode
+steps' rows). Their use in the compiled step: tests/test_compiled.py, tests/test_embedded.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agentflash.engine.attention import KernelAttention, PagedAttention
+from agentflash.engine.models.kernel_linear import KernelLinear, with_kernel_linears
+from agentflash.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(),
+                                reason=f"CPU kernels unavailable: {cpu_ops.load()}")
+
+
+def _bf16(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("n,k", [(384, 384), (2048, 384), (1024, 3072), (203, 200), (5, 37)])
+def test_linear_matches_float32_and_rows_are_independent(n, k):
+    w, b, x = _bf16(n, k, seed=0), _bf16(n, seed=1), _bf16(70, k, seed=2)
+    y = cpu_ops.linear(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    # one bfloat16 rounding of a float32 sum: within bf16's relative step of the largest output
+    assert (y.float() - want).abs().max() <= want.abs().max() * 2 ** -7
+    for rows in (slice(0, 1), slice(3, 4), slice(5, 21), slice(64, 70), slice(1, 70)):
+        assert torch.equal(cpu_ops.linear(x[rows], w, b), y[rows])
+    assert torch.equal(cpu_ops.linear(x.t().contiguous().t(), w, b), y)  # strided x
+    assert torch.equal(cpu_ops.linear(x[None, :8], w, b)[0], y[:8])      # leading dims
+
+
+def test_linear_refuses_what_it_does_not_compute():
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_ops.linear(torch.randn(2, 64), torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="weight"):
+        cpu_ops.linear(_bf16(2, 64, seed=0), _bf16(8, 32, seed=1))
+
+
+def test_kernel_linears_share_the_weights_and_leave_the_model_as_it_was():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 8, bias=False)).to(torch.bfloat16)
+    fast = with_kernel_linears(model)
+    assert isinstance(fast[0], KernelLinear) and fast[0].weight is model[0].weight
+    assert isinstance(model[0], torch.nn.Linear)
+    x = _bf16(3, 64, seed=3)
+    cos = torch.nn.functional.cosine_similarity(fast(x).float(), model(x).float(), dim=-1)
+    assert cos.min() > 0.999
+
+
+def _reference_attention(q, k_cache, v_cache, slots, seq, keys, scale):
+    out = torch.empty(q.shape)
+    group = q.shape[1] // k_cache.shape[1]
+    for t in range(q.shape[0]):
+        s = slots[seq[t], : keys[t]]
+        k, v = k_cache[s].float(), v_cache[s].float()
+        for h in range(q.shape[1]):
+            w = torch.softmax(k[:, h // group] @ q[t, h].float() * scale, 0)
+            out[t, h] = w @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 64), (16, 8, 128), (4, 4, 32)])
+def test_attention_matches_float32_and_rows_are_independent(heads, kv_heads, dim):
+    k_cache, v_cache = _bf16(4096, kv_heads, dim, seed=0), _bf16(4096, kv_heads, dim, seed=1)
+    slots = torch.randperm(4096, generator=torch.Generator().manual_seed(2))[:3600].view(3, 1200)
+    # a verify block of 16 at 1001.., a decode row at 700, 5 queries from 33 (a partial block)
+    seq = torch.tensor([0] * 16 + [1] + [2] * 5)
+    keys = torch.tensor(list(range(1001, 1017)) + [700] + list(range(33, 38)))
+    q = _bf16(len(seq), heads, dim, seed=3)
+    scale = 1 / math.sqrt(dim)
+    out = cpu_ops.paged_attention(q, k_cache, v_cache, slots, seq, keys, scale)
+    want = _reference_attention(q, k_cache, v_cache, slots, seq, keys, scale)
+    assert (out.float() - want).abs().max() < 0.02
+    for t in range(len(seq)):  # each query alone, as a decode step would run it
+        alone = cpu_ops.paged_attention(q[t:t + 1], k_cache, v_cache, slots, seq[t:t + 1],
+                                        keys[t:t + 1], scale)
+        assert torch.equal(alone[0], out[t])
+
+
+def test_attention_refuses_a_query_past_its_keys():
+    k_cache = _bf16(64, 2, 64, seed=0)
+    with pytest.raises(RuntimeError, match="sees 65 keys"):
+        cpu_ops.paged_attention(_bf16(1, 2, 64, seed=1), k_cache, k_cache,
+                                torch.arange(64)[None], torch.tensor([0]), torch.tensor([65]),
+                                0.125)
+
+
+def test_kernel_attention_stores_kv_and_agrees_with_the_torch_path():
+    """Two sequences on their own pages, decode row and verify block: the new K/V land in their
+    slots, and the outputs agree with PagedAttention's to bfloat16 rounding."""
+    pages, page = 40, 16
+    k0, v0 = _bf16(pages * page, 2, 64, seed=0), _bf16(pages * page, 2, 64, seed=1)
+    tables, ctx_lens, num_new = [list(range(0, 20)), list(range(39, 19, -1))], [300, 250], [1, 5]
+    q, k, v = _bf16(6, 6, 64, seed=2), _bf16(6, 2, 64, seed=3), _bf16(6, 2, 64, seed=4)
+    caches = ([k0.clone()], [v0.clone()])
+    kernel = KernelAttention.build(*caches, tables, ctx_lens, num_new, page, 0.125)
+    out = kernel.attend(0, q, k, v)
+    torch_caches = ([k0.clone()], [v0.clone()])
+    want = PagedAttention.build(*torch_caches, tables, ctx_lens, num_new, page,
+                                0.125).attend(0, q, k, v)
+    assert torch.equal(caches[0][0], torch_caches[0][0])
+    assert torch.equal(caches[1][0], torch_caches[1][0])
+    assert (out.float() - want.float()).abs().max() < 0.02
+    slot = tables[1][249 // page] * page + 249 % page  # sequence 1's last new token
+    assert torch.equal(caches[0][0][slot], k[5])
