@@ -12,7 +12,9 @@ comes from the row after the last accepted draft. A plain decode row is a block 
   and top-p. The committed tokens have exactly the target's sampling distribution.
 
 `judge` verifies a whole batch with one kernel launch per rule (kernels.dispatch.accept_greedy /
-accept_sample) and one host sync each; each request's random numbers come from its own generator.
+accept_sample) and one host sync each (greedy rows on CPU: one argmax, then compared on the host,
+which is cheaper there than the kernel's dozen small ops); each request's random numbers come from
+its own generator.
 `verify_length` chooses how many of a block's drafts a request should verify at all.
 """
 
@@ -46,7 +48,15 @@ def judge(logits: torch.Tensor, batch: list[Rows]) -> list[Verdict]:
     verdicts: list[Verdict | None] = [None] * len(batch)
     greedy = [i for i, r in enumerate(batch) if r.params.greedy]
     sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
-    if greedy:
+    if greedy and logits.device.type == "cpu":  # no device to sync with: judge on the host
+        choice = logits.argmax(-1).tolist()
+        for i in greedy:
+            r = batch[i]
+            accepted = 0
+            while accepted < len(r.drafts) and r.drafts[accepted] == choice[r.start + accepted]:
+                accepted += 1
+            verdicts[i] = Verdict(accepted, choice[r.start + accepted])
+    elif greedy:
         chosen = [batch[i] for i in greedy]
         out = dispatch.accept_greedy(logits, *_layout(chosen, logits.device))
         for i, (accepted, bonus) in zip(greedy, out.tolist()):
