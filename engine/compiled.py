@@ -434,8 +434,44 @@ def _compile(make: Callable[[], tuple], path: Path) -> None:
     with torch.inference_mode(False), torch.no_grad():
         module, example, shapes = make()
         program = torch.export.export(module.eval(), example, dynamic_shapes=shapes)
+        _fold_residual_adds(program)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
         with torch._inductor.config.patch(INDUCTOR_OPTIONS):
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
     os.replace(partial, path)  # atomic: a concurrent engine sees a whole package or none
+
+
+def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
+    """Rewrite `linear_bf16(x, w, b) + r` as `linear_bf16(x, w, b, residual=r)`, in place.
+
+    The residual stream is then written by the kernel, rounded once to bfloat16, as oneDNN's
+    fused add wrote it. Left to Inductor, the add fuses with what reads it, and whether a reader
+    sees the float32 sum or its bfloat16 rounding depends on how the kernels are cut: that
+    differs between the target's program alone and the one that also stores the drafter's
+    context (which reads the residual stream of some layers), and a plain engine's rows would
+    not be a speculative engine's rows bit for bit. Returns how many adds were folded."""
+    linear = torch.ops.agentflash.linear_bf16.default
+    graph = program.graph_module.graph
+    folded = 0
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.args) != 2:
+            continue
+        for lin, other in (node.args, node.args[::-1]):
+            if (isinstance(lin, torch.fx.Node) and lin.target is linear and len(lin.users) == 1
+                    and len(lin.args) + len(lin.kwargs) <= 3 and isinstance(other, torch.fx.Node)
+                    and other.meta["val"].shape == node.meta["val"].shape
+                    and other.meta["val"].dtype == torch.bfloat16):
+                x, weight = lin.args[:2]
+                bias = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
+                with graph.inserting_before(node):
+                    fused = graph.call_function(linear, (x, weight, bias, other))
+                fused.meta = dict(node.meta)
+                node.replace_all_uses_with(fused)
+                graph.erase_node(node)
+                graph.erase_node(lin)
+                folded += 1
+                break
+    graph.lint()
+    program.graph_module.recompile()
+    return folded

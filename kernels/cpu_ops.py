@@ -1,8 +1,9 @@
 """agentflash's CPU kernels for decode rows and verify blocks, on CPUs with AVX512-BF16
 (kernels/cpu/*.cpp, ops in the `torch.ops.agentflash` namespace):
 
-- `linear(x, weight, bias)`: y = x W^T + b in bfloat16 for few rows (linear_bf16.cpp). At one
-  row it costs a fraction of oneDNN's call, and it reads W in its plain layout.
+- `linear(x, weight, bias, residual)`: y = x W^T + b (+ residual) in bfloat16 for few rows
+  (linear_bf16.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in its
+  plain layout.
 - `paged_attention(q, k_cache, v_cache, key_slots, token_seq, token_keys, scale)`: each query
   over its sequence's keys in the paged pool, read in place (attention_bf16.cpp): no gathered
   copy of the context, no batched-matmul calls.
@@ -107,12 +108,14 @@ def available() -> bool:
     return why is None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]), bfloat16."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N], added before the one
+    rounding to bfloat16), bfloat16."""
     if x.dim() == 2:
-        return torch.ops.agentflash.linear_bf16(x, weight, bias)
-    out = torch.ops.agentflash.linear_bf16(x.reshape(-1, x.shape[-1]), weight, bias)
+        return torch.ops.agentflash.linear_bf16(x, weight, bias, residual)
+    flat = None if residual is None else residual.reshape(-1, weight.shape[0])
+    out = torch.ops.agentflash.linear_bf16(x.reshape(-1, x.shape[-1]), weight, bias, flat)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -128,8 +131,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _register_fakes() -> None:
     @torch.library.register_fake("agentflash::linear_bf16")
-    def _linear(x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("agentflash::paged_attention_bf16")

@@ -106,6 +106,24 @@ def test_the_drafter_runs_compiled_and_its_context_is_stored_by_the_target_progr
     assert cos.min() > 0.999, cos
 
 
+def test_a_plain_engines_rows_are_a_speculative_engines_rows(model):
+    """The target's program alone and the one that also stores the drafter's context compute
+    the same rows bit for bit (greedy DFlash equals plain across the two engines)."""
+    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+    plain = CompiledForward.build(model, page_size=PAGE)
+    spec = CompiledForward.build(model, drafter, page_size=PAGE)
+    tokens = [(31 * i + 7) % model.config.vocab_size for i in range(16)]
+    k, v = _caches(model, 128)
+    alone = _forward(plain, model, tokens, [1000], [16], k, v)
+    k, v = _caches(model, 128)
+    dk, dv = _caches(model, 128, seed=1)
+    meta = (k, v, [list(range(63))], [1000], [16], PAGE, model.attention_scale)
+    ids, pos = torch.tensor(tokens), torch.arange(984, 1000)
+    both = spec(step_args(ids, pos, spec.attention(*meta)), k, v, dk[:len(drafter.layers)],
+                dv[:len(drafter.layers)])
+    assert torch.equal(alone, both)
+
+
 def test_the_program_is_cached_on_disk(model):
     first = CompiledForward.build(model, page_size=PAGE)  # compiled above, or now
     again = CompiledForward.build(model, page_size=PAGE)

@@ -8,14 +8,16 @@
 // copies alone cost ~9 ms a step at 1000 tokens of context.
 //
 // Query t (of sequence token_seq[t]) sees keys 0 .. token_keys[t] - 1 of its sequence, key j in
-// slot key_slots[seq, j] of the caches [S, Hkv, D]. For each query and head: keys go in blocks
-// of 16 at fixed positions (0-15, 16-31, ...); a block's 16 scores are dot products over D
-// (`vdpbf16ps`, float32) summed across lanes by one fixed tree, scaled; then an online softmax
-// (the running maximum, the sum and the output rescaled by exp(old - new max)) and the values
-// accumulated key by key in float32; the output is divided by the sum and rounded once to
-// bfloat16. That sequence depends only on the query, its keys and how many it sees, never on
-// what else is in the call or which thread runs it: a verify block's rows are bitwise the
-// decode steps' rows.
+// slot key_slots[seq, j] of the caches [S, Hkv, D]. Keys go in blocks of 16 at fixed positions
+// (0-15, 16-31, ...). Each block is packed once per (run of queries of a sequence, KV head) for
+// `vdpbf16ps`: its keys transposed into pairs of elements (a query's 16 scores are D/2
+// dot-product steps into 16 float32 lanes, in 8 chains added by a fixed tree; no sum across
+// lanes), its values into pairs of keys. Per query head: the scores scaled (keys it does not
+// see: -inf), an online softmax step (running maximum and sum, the output rescaled by
+// exp(old - new max)), the weights rounded to bfloat16 pairs and the values accumulated in
+// float32; at the end the output is divided by the sum and rounded once to bfloat16. That
+// sequence depends only on the query, its keys and how many it sees, never on what else is in
+// the call or which thread runs it: a verify block's rows are bitwise the decode steps' rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,9 +35,7 @@
 namespace {
 
 using agentflash_cpu::lane_sums;
-using agentflash_cpu::load_bf16;
 using agentflash_cpu::store_bf16;
-using agentflash_cpu::widen_bf16;
 
 constexpr int kBlock = 16;      // keys per block
 constexpr int kMaxDim = 256;    // head_dim, a multiple of 32
@@ -49,50 +49,158 @@ struct Head {  // one query head's running softmax state
   alignas(64) float out[kMaxDim];
 };
 
-// One query head's state after a block of `valid` keys (1..16): their scores (dot products of
-// the query with the keys kr[j], scaled), the online softmax step, the values accumulated.
+// out[c] = column c of the 16 x 16 matrix of 32-bit words whose rows are r[0..15].
+inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
+  __m512i t[16], u[16], v[4][4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], lane L: column 4L + k of rows 4i .. 4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    v[k][0] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);       // columns k, 8+k of rows 0-7
+    v[k][1] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);       // columns 4+k, 12+k
+    v[k][2] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);  // the same of rows 8-15
+    v[k][3] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    out[k] = _mm512_shuffle_i32x4(v[k][0], v[k][2], 0x88);
+    out[8 + k] = _mm512_shuffle_i32x4(v[k][0], v[k][2], 0xDD);
+    out[4 + k] = _mm512_shuffle_i32x4(v[k][1], v[k][3], 0x88);
+    out[12 + k] = _mm512_shuffle_i32x4(v[k][1], v[k][3], 0xDD);
+  }
+}
+
+// A block of 16 keys and values laid out for `vdpbf16ps` (keys past `n` are zeros):
+// keys[i] lane j = the i-th pair of key j's elements (2i, 2i+1), so a query's 16 scores are
+// D/2 dot-product steps with no sum across lanes; values[p * D/16 + c] lane e = the pair
+// (key 2p, key 2p+1) of element 16c + e, so the output takes 8 steps per 16 elements.
+template <int D>
+inline void pack_block(const uint16_t* const* kr, const uint16_t* const* vr, int n,
+                       __m512i* keys, __m512i* values) {
+#pragma GCC unroll 1
+  for (int c = 0; c < D / 32; ++c) {
+    __m512i rows[16], cols[16];
+    for (int j = 0; j < 16; ++j)
+      rows[j] = j < n ? _mm512_loadu_si512(kr[j] + 32 * c) : _mm512_setzero_si512();
+    transpose16(rows, cols);
+    for (int w = 0; w < 16; ++w) keys[16 * c + w] = cols[w];
+  }
+  for (int p = 0; p < 8; ++p)
+    for (int c = 0; c < D / 16; ++c) {
+      const __m512i lo = 2 * p < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(vr[2 * p] + 16 * c)))
+                                   : _mm512_setzero_si512();
+      const __m512i hi = 2 * p + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(vr[2 * p + 1] + 16 * c)))
+                                       : _mm512_setzero_si512();
+      values[p * (D / 16) + c] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    }
+}
+
+// One query head's state after a block whose first `valid` keys (1..16) it sees: 16 scores
+// (scaled dot products, the rest -inf), the online softmax step (running max and sum, the
+// output rescaled), and the values weighted by the scores rounded to bfloat16 pairs.
 template <int D>
 __attribute__((always_inline)) inline void update_head(Head& st, const uint16_t* q,
-                                                       const uint16_t* const* kr,
-                                                       const float* values, int valid,
+                                                       const __m512i* keys,
+                                                       const __m512i* values, int valid,
                                                        float scale) {
-  constexpr int steps = D / 32;
-  __m512bh qv[steps];
+  const uint32_t* qw = reinterpret_cast<const uint32_t*>(q);
+  constexpr int kChains = D / 2 < 8 ? D / 2 : 8;  // independent sums, added in a fixed tree
+  __m512 part[kChains];
 #pragma GCC unroll 8
-  for (int s = 0; s < steps; ++s) qv[s] = load_bf16(q + 32 * s, ~__mmask32{0});
-  __m512 dots[kBlock];
+  for (int i = 0; i < kChains; ++i) part[i] = _mm512_setzero_ps();
 #pragma GCC unroll 16
-  for (int j = 0; j < kBlock; ++j) {
-    __m512 acc = _mm512_setzero_ps();
-    if (j < valid) {
-#pragma GCC unroll 8
-      for (int s = 0; s < steps; ++s)
-        acc = _mm512_dpbf16_ps(acc, qv[s], load_bf16(kr[j] + 32 * s, ~__mmask32{0}));
-    }
-    dots[j] = acc;
-  }
+  for (int i = 0; i < D / 2; ++i)
+    part[i % kChains] = _mm512_dpbf16_ps(part[i % kChains],
+                                         (__m512bh)_mm512_set1_epi32(qw[i]), (__m512bh)keys[i]);
+#pragma GCC unroll 4
+  for (int width = kChains / 2; width >= 1; width /= 2)
+#pragma GCC unroll 4
+    for (int i = 0; i < width; ++i) part[i] = _mm512_add_ps(part[i], part[i + width]);
+  const __m512 dots = part[0];
   const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1);
   const __m512 scores = _mm512_mask_blend_ps(
       live, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-      _mm512_mul_ps(lane_sums(dots), _mm512_set1_ps(scale)));
+      _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
   const float top = std::max(st.max, _mm512_reduce_max_ps(scores));
-  const __m512 rescale = exp16(_mm512_set1_ps(st.max - top));
+  // an unchanged maximum rescales by exp(0) = 1 exactly: skipped, with the same result
+  const bool same = top == st.max;
+  const __m512 rescale = same ? _mm512_set1_ps(1.f) : exp16(_mm512_set1_ps(st.max - top));
   const __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(top)));
-  alignas(64) float pw[kBlock];
-  _mm512_store_ps(pw, p);
-  st.sum = st.sum * _mm512_cvtss_f32(rescale) + _mm512_reduce_add_ps(p);
+  st.sum = (same ? st.sum : st.sum * _mm512_cvtss_f32(rescale)) + _mm512_reduce_add_ps(p);
   st.max = top;
-  __m512 o[D / 16];
+  alignas(32) uint32_t pairs[8];  // the 16 weights as 8 bfloat16 pairs
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(p));
+  // two chains per 16 elements (pairs 0-3 onto the rescaled output, pairs 4-7 from zero)
+  __m512 o[D / 16], o2[D / 16];
 #pragma GCC unroll 16
-  for (int d = 0; d < D / 16; ++d) o[d] = _mm512_mul_ps(_mm512_load_ps(st.out + 16 * d), rescale);
-  for (int j = 0; j < valid; ++j) {
-    const __m512 pj = _mm512_set1_ps(pw[j]);
+  for (int c = 0; c < D / 16; ++c) {
+    o[c] = _mm512_load_ps(st.out + 16 * c);
+    if (!same) o[c] = _mm512_mul_ps(o[c], rescale);
+    o2[c] = _mm512_setzero_ps();
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[k]);
+    const __m512bh w2 = (__m512bh)_mm512_set1_epi32(pairs[k + 4]);
 #pragma GCC unroll 16
-    for (int d = 0; d < D / 16; ++d)
-      o[d] = _mm512_fmadd_ps(pj, _mm512_load_ps(values + j * D + 16 * d), o[d]);
+    for (int c = 0; c < D / 16; ++c) {
+      o[c] = _mm512_dpbf16_ps(o[c], w, (__m512bh)values[k * (D / 16) + c]);
+      o2[c] = _mm512_dpbf16_ps(o2[c], w2, (__m512bh)values[(k + 4) * (D / 16) + c]);
+    }
   }
 #pragma GCC unroll 16
-  for (int d = 0; d < D / 16; ++d) _mm512_store_ps(st.out + 16 * d, o[d]);
+  for (int c = 0; c < D / 16; ++c) _mm512_store_ps(st.out + 16 * c, _mm512_add_ps(o[c], o2[c]));
+}
+
+template <int D>
+void attend_run(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, const int64_t* row,
+                const int64_t* keys, int64_t t0, int64_t t1, int64_t g, int64_t G, int64_t Hq,
+                int64_t slot_stride, float scale, std::vector<Head>& heads, uint16_t* op) {
+  alignas(64) __m512i kblock[D / 2];
+  alignas(64) __m512i vblock[8 * (D / 16)];
+  int64_t longest = 0;
+  for (int64_t t = t0; t < t1; ++t) longest = std::max(longest, keys[t]);
+  heads.resize((t1 - t0) * G);
+  for (Head& st : heads) {
+    st.max = -std::numeric_limits<float>::infinity();
+    st.sum = 0.f;
+    std::fill(st.out, st.out + D, 0.f);
+  }
+  for (int64_t k0 = 0; k0 < longest; k0 += kBlock) {
+    const int in_block = static_cast<int>(std::min<int64_t>(kBlock, longest - k0));
+    const uint16_t* kr[kBlock];
+    const uint16_t* vr[kBlock];
+    for (int j = 0; j < in_block; ++j) {
+      const int64_t base = row[k0 + j] * slot_stride + g * D;
+      kr[j] = kp + base;
+      vr[j] = vp + base;
+    }
+    pack_block<D>(kr, vr, in_block, kblock, vblock);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (keys[t] <= k0) continue;
+      const int valid = static_cast<int>(std::min<int64_t>(kBlock, keys[t] - k0));
+      for (int64_t h = 0; h < G; ++h)
+        update_head<D>(heads[(t - t0) * G + h], qp + (t * Hq + g * G + h) * D, kblock, vblock,
+                       valid, scale);
+    }
+  }
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t h = 0; h < G; ++h) {
+      const Head& st = heads[(t - t0) * G + h];
+      const __m512 total = _mm512_set1_ps(st.sum);
+      uint16_t* dst = op + (t * Hq + g * G + h) * D;
+      for (int64_t d = 0; d < D; d += 16)
+        store_bf16(dst + d, _mm512_div_ps(_mm512_load_ps(st.out + d), total));
+    }
 }
 
 at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
@@ -133,14 +241,13 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t G = Hq / Hkv, slot_stride = Hkv * D;
   const float fscale = static_cast<float>(scale);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  using Update = void (*)(Head&, const uint16_t*, const uint16_t* const*, const float*, int,
-                          float);
-  const Update update = D == 32 ? &update_head<32> : D == 64 ? &update_head<64>
-                        : D == 96 ? &update_head<96> : D == 128 ? &update_head<128>
-                        : D == 160 ? &update_head<160> : D == 192 ? &update_head<192>
-                        : D == 224 ? &update_head<224> : &update_head<256>;
-
+  using Run = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
+                       const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       float, std::vector<Head>&, uint16_t*);
+  const Run attend = D == 32 ? &attend_run<32> : D == 64 ? &attend_run<64>
+                     : D == 96 ? &attend_run<96> : D == 128 ? &attend_run<128>
+                     : D == 160 ? &attend_run<160> : D == 192 ? &attend_run<192>
+                     : D == 224 ? &attend_run<224> : &attend_run<256>;
   // runs of consecutive queries of one sequence (a decode row, a verify block)
   std::vector<std::pair<int64_t, int64_t>> runs;
   for (int64_t t = 0; t < T; ++t) {
@@ -149,51 +256,16 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
     else
       runs.back().second = t + 1;
   }
-  // one task per (run, KV head): its queries and their G heads share each block of keys, whose
-  // values are widened to float32 once
-  at::parallel_for(0, static_cast<int64_t>(runs.size()) * Hkv, 1, [&](int64_t begin,
-                                                                      int64_t end) {
-    alignas(64) float values[kBlock * kMaxDim];
-    std::vector<Head> heads;
-    for (int64_t item = begin; item < end; ++item) {
-      const auto [t0, t1] = runs[item / Hkv];
-      const int64_t g = item % Hkv;
-      const int64_t* row = slots + seq[t0] * L;
-      int64_t longest = 0;
-      for (int64_t t = t0; t < t1; ++t) longest = std::max(longest, keys[t]);
-      heads.resize((t1 - t0) * G);
-      for (Head& st : heads) {
-        st.max = neg_inf;
-        st.sum = 0.f;
-        std::fill(st.out, st.out + D, 0.f);
-      }
-      for (int64_t k0 = 0; k0 < longest; k0 += kBlock) {
-        const int in_block = static_cast<int>(std::min<int64_t>(kBlock, longest - k0));
-        const uint16_t* kr[kBlock];
-        for (int j = 0; j < in_block; ++j) {
-          const int64_t base = row[k0 + j] * slot_stride + g * D;
-          kr[j] = kp + base;
-          for (int64_t d = 0; d < D; d += 16)
-            _mm512_store_ps(values + j * D + d, widen_bf16(vp + base + d));
-        }
-        for (int64_t t = t0; t < t1; ++t) {
-          if (keys[t] <= k0) continue;
-          const int valid = static_cast<int>(std::min<int64_t>(kBlock, keys[t] - k0));
-          for (int64_t h = 0; h < G; ++h)
-            update(heads[(t - t0) * G + h], qp + (t * Hq + g * G + h) * D, kr, values, valid,
-                   fscale);
-        }
-      }
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t h = 0; h < G; ++h) {
-          const Head& st = heads[(t - t0) * G + h];
-          const __m512 total = _mm512_set1_ps(st.sum);
-          uint16_t* dst = op + (t * Hq + g * G + h) * D;
-          for (int64_t d = 0; d < D; d += 16)
-            store_bf16(dst + d, _mm512_div_ps(_mm512_load_ps(st.out + d), total));
-        }
-    }
-  });
+  // one task per (run, KV head): its queries and their G heads share each packed block of keys
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) * Hkv, 1,
+                   [&](int64_t begin, int64_t end) {
+                     std::vector<Head> heads;
+                     for (int64_t item = begin; item < end; ++item) {
+                       const auto [t0, t1] = runs[item / Hkv];
+                       attend(qp, kp, vp, slots + seq[t0] * L, keys, t0, t1, item % Hkv, G, Hq,
+                              slot_stride, fscale, heads, op);
+                     }
+                   });
   return out;
 }
 

@@ -8,7 +8,7 @@
 //
 // How: every output y[m, n] is one dot product of x's row m and W's row n, accumulated by
 // `vdpbf16ps` over K in 32-element steps into 16 float32 lanes (the last step masked), then
-// summed across lanes, plus the bias, rounded once to bfloat16. That sequence of instructions
+// summed across lanes, plus the bias and a residual when given, rounded once to bfloat16. That sequence of instructions
 // is the same for every output whatever M, the tile it is computed in, or the thread that
 // computes it (threads split the rows of W; each output belongs to one thread). So a row's
 // result does not depend on how many rows share the call: a verify block's rows are bitwise the
@@ -39,6 +39,7 @@ struct Args {
   const uint16_t* w;
   int64_t ldw;
   const float* bias;  // [N] float32 or nullptr
+  const uint16_t* residual;  // [M, N] bfloat16 added before the rounding, or nullptr
   uint16_t* y;
   int64_t ldy;
   int64_t K;
@@ -93,6 +94,13 @@ void tile(const Args& a, int64_t m0, int64_t n0) {
     sums = _mm512_add_ps(sums, _mm512_broadcast_f32x4(_mm_maskz_loadu_ps((1 << NB) - 1,
                                                                          a.bias + n0)));
   alignas(32) uint16_t out[16];
+  if (a.residual != nullptr) {  // sums += residual rows (widened, exact), same layout
+    alignas(32) uint16_t res[16] = {};
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i)
+      std::memcpy(res + i * kTile, a.residual + (m0 + i) * a.ldy + n0, NB * sizeof(uint16_t));
+    sums = _mm512_add_ps(sums, agentflash_cpu::widen_bf16(res));
+  }
   _mm256_store_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(sums));
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
@@ -122,7 +130,8 @@ void columns(const Args& a, int64_t m0, int64_t m1, int64_t n0) {
 }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "linear_bf16: x [M, K] and weight [N, K], got ", x.sizes(), " and ",
               weight.sizes());
@@ -137,11 +146,19 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_bf16: bias [N]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
+  at::Tensor res;
+  if (residual.has_value() && residual->defined()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N &&
+                    residual->scalar_type() == at::kBFloat16,
+                "linear_bf16: a bfloat16 residual [M, N]");
+    res = residual->contiguous();
+  }
   at::Tensor y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
   const Args a{reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
                reinterpret_cast<const uint16_t*>(wc.data_ptr()), wc.stride(0),
                bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+               res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr()) : nullptr,
                reinterpret_cast<uint16_t*>(y.data_ptr()), N, K, N};
   const int64_t tiles = (N + kTile - 1) / kTile;
   // at least ~16 KB of weights per task: smaller ones cost more to hand out than to compute
@@ -158,7 +175,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
-  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agentflash, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
