@@ -169,14 +169,15 @@ class PagedAttention:
 class KernelAttention:
     """Paged attention for one forward of decode rows and verify blocks through the CPU kernel:
     query t sees the first `token_keys[t]` keys of sequence `token_seq[t]`, whose key j sits in
-    slot `key_slots[seq, j]` of every layer's cache."""
+    page `page_table[seq, j // page_size]` of every layer's cache, at offset j % page_size."""
 
     k_caches: Sequence[torch.Tensor]
     v_caches: Sequence[torch.Tensor]
     slot_mapping: torch.Tensor       # [T] where each new token's K/V goes
-    key_slots: torch.Tensor          # [B, L] slots of each sequence's keys (whole pages)
+    page_table: torch.Tensor         # [B, P] each sequence's pages (short ones padded with 0)
     token_seq: torch.Tensor          # [T] each query's sequence
     token_keys: torch.Tensor         # [T] how many keys each query sees (its position + 1)
+    page_size: int
     scale: float
 
     @classmethod
@@ -191,26 +192,30 @@ class KernelAttention:
         scale: float,
     ) -> KernelAttention:
         """As `PagedAttention.build`: sequence b's last `num_new[b]` of `ctx_lens[b]` tokens
-        are the queries, laid out in batch order."""
+        are the queries, laid out in batch order. (Python lists, then one tensor each: this
+        runs every decode step.)"""
         seq: list[int] = []
         keys: list[int] = []
         slots: list[int] = []
+        width = max(1, max(len(p) for p in page_tables))
+        table: list[list[int]] = []
         for b, (pages, n, new) in enumerate(zip(page_tables, ctx_lens, num_new)):
             seq.extend([b] * new)
             keys.extend(range(n - new + 1, n + 1))
             slots.extend(pages[p // page_size] * page_size + p % page_size
                          for p in range(n - new, n))
+            table.append(list(pages) + [0] * (width - len(pages)))
         device = k_caches[0].device
         return cls(k_caches, v_caches, torch.tensor(slots, dtype=torch.long, device=device),
-                   slot_table(page_tables, page_size).to(device),
+                   torch.tensor(table, dtype=torch.long, device=device),
                    torch.tensor(seq, dtype=torch.long, device=device),
-                   torch.tensor(keys, dtype=torch.long, device=device), scale)
+                   torch.tensor(keys, dtype=torch.long, device=device), page_size, scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         dispatch.store_kv(k_cache, v_cache, self.slot_mapping, k, v)
-        return cpu_ops.paged_attention(q, k_cache, v_cache, self.key_slots, self.token_seq,
-                                       self.token_keys, self.scale)
+        return cpu_ops.paged_attention(q, k_cache, v_cache, self.page_table, self.page_size,
+                                       self.token_seq, self.token_keys, self.scale)
 
 
 def _build_group(

@@ -98,7 +98,7 @@ class StepArgs:
     positions: torch.Tensor      # [T]
     slot_mapping: torch.Tensor   # [T] where each new token's K/V goes
     attention: tuple[torch.Tensor, ...]
-    """With the CPU kernels, KernelAttention's (key_slots [B, L], token_seq [T], token_keys
+    """With the CPU kernels, KernelAttention's (page_table [B, P], token_seq [T], token_keys
     [T]); else the torch path's (q_index [B, Q]: token row per (sequence, query), T padding;
     out_index [T]: row of the [B*Q] output holding each token; the ChunkPlan's kv_index
     [B, Hkv, n, C] and visible [B, n, Q, C])."""
@@ -110,7 +110,7 @@ def step_args(ids: torch.Tensor, positions: torch.Tensor,
     or a PagedAttention built with `one_group=True` on CPU in bfloat16 (so with a ChunkPlan)."""
     if isinstance(attn, KernelAttention):
         return StepArgs(ids, positions, attn.slot_mapping,
-                        (attn.key_slots, attn.token_seq, attn.token_keys))
+                        (attn.page_table, attn.token_seq, attn.token_keys))
     (group,) = attn.groups
     assert group.plan is not None
     out_index = group.out_index
@@ -147,10 +147,11 @@ class _Step(nn.Module):
     runner's `_store_draft_context`, folded in)."""
 
     def __init__(self, model: CausalLM, drafter: DFlashDraftModel | None,
-                 kernels: bool) -> None:
+                 kernels: bool, page_size: int) -> None:
         super().__init__()
         self.model = _without_head(model)
         self.kernels = kernels
+        self.page_size = page_size
         if kernels:
             self.model = _kernel_linears(self.model)
             drafter = None if drafter is None else _kernel_linears(drafter)
@@ -161,7 +162,8 @@ class _Step(nn.Module):
                 draft_k_caches, draft_v_caches):
         scale = self.model.attention_scale
         if self.kernels:
-            attn = KernelAttention(k_caches, v_caches, slot_mapping, *attention, scale)
+            attn = KernelAttention(k_caches, v_caches, slot_mapping, *attention, self.page_size,
+                                   scale)
         else:
             q_index, out_index, kv_index, visible = attention
             attn = PagedAttention.from_plan(k_caches, v_caches, slot_mapping, q_index, out_index,
@@ -394,8 +396,8 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
     tokens, seqs = Dim("tokens", min=1, max=1 << 16), Dim("seqs", min=1, max=1 << 12)
     slots = Dim("slots", min=page_size)
     if kernels:
-        keys = Dim("keys", min=1, max=1 << 20)
-        attention: tuple = ({0: seqs, 1: keys}, {0: tokens}, {0: tokens})
+        pages = Dim("pages", min=1, max=1 << 16)
+        attention: tuple = ({0: seqs, 1: pages}, {0: tokens}, {0: tokens})
     else:
         queries = Dim("queries", min=1, max=reference.INVARIANT_MAX_QUERIES)
         chunks = Dim("chunks", min=1, max=1 << 14)
@@ -404,7 +406,7 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
     shapes = ({0: tokens}, {0: tokens}, {0: tokens}, attention,
               [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches),
               [{0: slots}] * len(draft_k), [{0: slots}] * len(draft_v))
-    return _Step(model, drafter, kernels), example, shapes
+    return _Step(model, drafter, kernels, page_size), example, shapes
 
 
 def _draft_export(model: CausalLM, drafter: DFlashDraftModel, block_size: int,

@@ -15,6 +15,10 @@ serves every decode and verify row, so speculative output equals plain output wi
   packed copy of the embedding matrix (the embedding lookup keeps the plain one). With the
   compiled step only the head is packed: the programs hold their own packed weights.
 
+- `avx512-bf16-linears` (with the compiled step, where agentflash's CPU kernels run:
+  kernels.cpu_ops): the programs compute their linears and attention with them, and the head
+  becomes a `KernelLinear` on the checkpoint's matrix (engine.compiled).
+
 - `aoti-compiled-step` (CPU, bfloat16, AOTInductor; on by default up to 2 GB of weights,
   `compile=False` or $AGENTFLASH_COMPILE=0 turn it off, `compile=True` forces it; applied
   before packing): the decode and verify forwards are compiled ahead of time into one program,

@@ -4,9 +4,9 @@
 - `linear(x, weight, bias, residual)`: y = x W^T + b (+ residual) in bfloat16 for few rows
   (linear_bf16.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in its
   plain layout.
-- `paged_attention(q, k_cache, v_cache, key_slots, token_seq, token_keys, scale)`: each query
-  over its sequence's keys in the paged pool, read in place (attention_bf16.cpp): no gathered
-  copy of the context, no batched-matmul calls.
+- `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
+  each query over its sequence's keys in the paged pool, read in place through its page table
+  (attention_bf16.cpp): no gathered copy of the context, no batched-matmul calls.
 
 Both compute every output row the same way whatever else shares the call, so a verify block's
 rows are bitwise the decode steps' rows (what greedy speculative decoding needs to equal plain
@@ -120,13 +120,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    key_slots: torch.Tensor, token_seq: torch.Tensor, token_keys: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    page_table: torch.Tensor, page_size: int, token_seq: torch.Tensor,
+                    token_keys: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of queries q [T, Hq, D] over caches [S, Hkv, D]: query t sees the first
-    token_keys[t] keys of sequence token_seq[t], key j in slot key_slots[seq, j] ([B, L]).
-    Returns [T, Hq, D] (bfloat16; head_dim a multiple of 32 up to 256)."""
-    return torch.ops.agentflash.paged_attention_bf16(q, k_cache, v_cache, key_slots, token_seq,
-                                                     token_keys, scale)
+    token_keys[t] keys of sequence token_seq[t], key j in page page_table[seq, j // page_size]
+    ([B, P]) at offset j % page_size. Returns [T, Hq, D] (bfloat16; head_dim a multiple of 32
+    up to 256)."""
+    return torch.ops.agentflash.paged_attention_bf16(q, k_cache, v_cache, page_table, page_size,
+                                                     token_seq, token_keys, scale)
 
 
 def _register_fakes() -> None:
@@ -137,6 +138,6 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("agentflash::paged_attention_bf16")
     def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   key_slots: torch.Tensor, token_seq: torch.Tensor, token_keys: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   page_table: torch.Tensor, page_size: int, token_seq: torch.Tensor,
+                   token_keys: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.empty_like(q)

@@ -56,9 +56,10 @@ def test_kernel_linears_share_the_weights_and_leave_the_model_as_it_was():
     assert cos.min() > 0.999
 
 
-def _reference_attention(q, k_cache, v_cache, slots, seq, keys, scale):
+def _reference_attention(q, k_cache, v_cache, table, page, seq, keys, scale):
     out = torch.empty(q.shape)
     group = q.shape[1] // k_cache.shape[1]
+    slots = (table[:, :, None] * page + torch.arange(page)).flatten(1)
     for t in range(q.shape[0]):
         s = slots[seq[t], : keys[t]]
         k, v = k_cache[s].float(), v_cache[s].float()
@@ -71,27 +72,30 @@ def _reference_attention(q, k_cache, v_cache, slots, seq, keys, scale):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 64), (16, 8, 128), (4, 4, 32)])
 def test_attention_matches_float32_and_rows_are_independent(heads, kv_heads, dim):
     k_cache, v_cache = _bf16(4096, kv_heads, dim, seed=0), _bf16(4096, kv_heads, dim, seed=1)
-    slots = torch.randperm(4096, generator=torch.Generator().manual_seed(2))[:3600].view(3, 1200)
+    page = 16  # 3 sequences of 75 pages, shuffled over the cache's 256
+    table = torch.randperm(256, generator=torch.Generator().manual_seed(2))[:225].view(3, 75)
     # a verify block of 16 at 1001.., a decode row at 700, 5 queries from 33 (a partial block)
     seq = torch.tensor([0] * 16 + [1] + [2] * 5)
     keys = torch.tensor(list(range(1001, 1017)) + [700] + list(range(33, 38)))
     q = _bf16(len(seq), heads, dim, seed=3)
     scale = 1 / math.sqrt(dim)
-    out = cpu_ops.paged_attention(q, k_cache, v_cache, slots, seq, keys, scale)
-    want = _reference_attention(q, k_cache, v_cache, slots, seq, keys, scale)
+    out = cpu_ops.paged_attention(q, k_cache, v_cache, table, page, seq, keys, scale)
+    want = _reference_attention(q, k_cache, v_cache, table, page, seq, keys, scale)
     assert (out.float() - want).abs().max() < 0.02
     for t in range(len(seq)):  # each query alone, as a decode step would run it
-        alone = cpu_ops.paged_attention(q[t:t + 1], k_cache, v_cache, slots, seq[t:t + 1],
+        alone = cpu_ops.paged_attention(q[t:t + 1], k_cache, v_cache, table, page, seq[t:t + 1],
                                         keys[t:t + 1], scale)
         assert torch.equal(alone[0], out[t])
 
 
-def test_attention_refuses_a_query_past_its_keys():
-    k_cache = _bf16(64, 2, 64, seed=0)
+def test_attention_refuses_a_query_past_its_keys_or_pages():
+    k_cache, q = _bf16(64, 2, 64, seed=0), _bf16(1, 2, 64, seed=1)
     with pytest.raises(RuntimeError, match="sees 65 keys"):
-        cpu_ops.paged_attention(_bf16(1, 2, 64, seed=1), k_cache, k_cache,
-                                torch.arange(64)[None], torch.tensor([0]), torch.tensor([65]),
-                                0.125)
+        cpu_ops.paged_attention(q, k_cache, k_cache, torch.arange(4)[None], 16,
+                                torch.tensor([0]), torch.tensor([65]), 0.125)
+    with pytest.raises(RuntimeError, match="page 9 of sequence 0 is not in the cache"):
+        cpu_ops.paged_attention(q, k_cache, k_cache, torch.tensor([[0, 9]]), 16,
+                                torch.tensor([0]), torch.tensor([20]), 0.125)
 
 
 def test_kernel_attention_stores_kv_and_agrees_with_the_torch_path():

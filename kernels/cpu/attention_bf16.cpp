@@ -8,7 +8,7 @@
 // copies alone cost ~9 ms a step at 1000 tokens of context.
 //
 // Query t (of sequence token_seq[t]) sees keys 0 .. token_keys[t] - 1 of its sequence, key j in
-// slot key_slots[seq, j] of the caches [S, Hkv, D]. Keys go in blocks of 16 at fixed positions
+// slot page_table[seq, j / page_size] * page_size + j % page_size of the caches [S, Hkv, D]. Keys go in blocks of 16 at fixed positions
 // (0-15, 16-31, ...). Each block is packed once per (run of queries of a sequence, KV head) for
 // `vdpbf16ps`: its keys transposed into pairs of elements (a query's 16 scores are D/2
 // dot-product steps into 16 float32 lanes, in 8 chains added by a fixed tree; no sum across
@@ -162,9 +162,10 @@ __attribute__((always_inline)) inline void update_head(Head& st, const uint16_t*
 }
 
 template <int D>
-void attend_run(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, const int64_t* row,
-                const int64_t* keys, int64_t t0, int64_t t1, int64_t g, int64_t G, int64_t Hq,
-                int64_t slot_stride, float scale, std::vector<Head>& heads, uint16_t* op) {
+void attend_run(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, const int64_t* pages,
+                int64_t page_size, const int64_t* keys, int64_t t0, int64_t t1, int64_t g,
+                int64_t G, int64_t Hq, int64_t slot_stride, float scale,
+                std::vector<Head>& heads, uint16_t* op) {
   alignas(64) __m512i kblock[D / 2];
   alignas(64) __m512i vblock[8 * (D / 16)];
   int64_t longest = 0;
@@ -180,7 +181,9 @@ void attend_run(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, cons
     const uint16_t* kr[kBlock];
     const uint16_t* vr[kBlock];
     for (int j = 0; j < in_block; ++j) {
-      const int64_t base = row[k0 + j] * slot_stride + g * D;
+      const int64_t key = k0 + j;
+      const int64_t base = (pages[key / page_size] * page_size + key % page_size) * slot_stride +
+                           g * D;
       kr[j] = kp + base;
       vr[j] = vp + base;
     }
@@ -204,9 +207,9 @@ void attend_run(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, cons
 }
 
 at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
-                                const at::Tensor& v_cache, const at::Tensor& key_slots,
-                                const at::Tensor& token_seq, const at::Tensor& token_keys,
-                                double scale) {
+                                const at::Tensor& v_cache, const at::Tensor& page_table,
+                                int64_t page_size, const at::Tensor& token_seq,
+                                const at::Tensor& token_keys, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention_bf16: q [T, Hq, D], caches [S, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
@@ -219,31 +222,39 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
               "paged_attention_bf16: up to 16 query heads per KV head");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention_bf16: contiguous caches");
-  TORCH_CHECK(key_slots.dim() == 2 && key_slots.scalar_type() == at::kLong &&
+  TORCH_CHECK(page_table.dim() == 2 && page_table.scalar_type() == at::kLong &&
                   token_seq.scalar_type() == at::kLong && token_keys.scalar_type() == at::kLong &&
-                  token_seq.numel() == T && token_keys.numel() == T,
-              "paged_attention_bf16: int64 key_slots [B, L], token_seq [T], token_keys [T]");
+                  token_seq.numel() == T && token_keys.numel() == T && page_size >= 1 &&
+                  k_cache.size(0) % page_size == 0,
+              "paged_attention_bf16: int64 page_table [B, P], token_seq [T], token_keys [T], "
+              "caches of whole pages");
   const at::Tensor qc = q.contiguous();
-  const at::Tensor slots_c = key_slots.contiguous();
+  const at::Tensor table_c = page_table.contiguous();
   const at::Tensor seq_c = token_seq.contiguous(), keys_c = token_keys.contiguous();
   const int64_t* seq = seq_c.data_ptr<int64_t>();
   const int64_t* keys = keys_c.data_ptr<int64_t>();
-  const int64_t B = slots_c.size(0), L = slots_c.size(1);
-  for (int64_t t = 0; t < T; ++t)
+  const int64_t B = table_c.size(0), P = table_c.size(1), L = P * page_size;
+  const int64_t num_pages = k_cache.size(0) / page_size;
+  const int64_t* table = table_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(seq[t] >= 0 && seq[t] < B && keys[t] >= 1 && keys[t] <= L,
                 "paged_attention_bf16: query ", t, " sees ", keys[t], " keys of sequence ",
                 seq[t], " (", B, " sequences of up to ", L, " keys)");
+    for (int64_t p = 0; p < (keys[t] + page_size - 1) / page_size; ++p)
+      TORCH_CHECK(table[seq[t] * P + p] >= 0 && table[seq[t] * P + p] < num_pages,
+                  "paged_attention_bf16: page ", table[seq[t] * P + p], " of sequence ", seq[t],
+                  " is not in the cache (", num_pages, " pages)");
+  }
   at::Tensor out = at::empty({T, Hq, D}, qc.options());
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  const int64_t* slots = slots_c.data_ptr<int64_t>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t G = Hq / Hkv, slot_stride = Hkv * D;
   const float fscale = static_cast<float>(scale);
   using Run = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
-                       const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       float, std::vector<Head>&, uint16_t*);
+                       int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, float, std::vector<Head>&, uint16_t*);
   const Run attend = D == 32 ? &attend_run<32> : D == 64 ? &attend_run<64>
                      : D == 96 ? &attend_run<96> : D == 128 ? &attend_run<128>
                      : D == 160 ? &attend_run<160> : D == 192 ? &attend_run<192>
@@ -262,8 +273,8 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                      std::vector<Head> heads;
                      for (int64_t item = begin; item < end; ++item) {
                        const auto [t0, t1] = runs[item / Hkv];
-                       attend(qp, kp, vp, slots + seq[t0] * L, keys, t0, t1, item % Hkv, G, Hq,
-                              slot_stride, fscale, heads, op);
+                       attend(qp, kp, vp, table + seq[t0] * P, page_size, keys, t0, t1,
+                              item % Hkv, G, Hq, slot_stride, fscale, heads, op);
                      }
                    });
   return out;
@@ -273,8 +284,8 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
 
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
   m.def(
-      "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor key_slots, "
-      "Tensor token_seq, Tensor token_keys, float scale) -> Tensor");
+      "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+      "int page_size, Tensor token_seq, Tensor token_keys, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agentflash, CPU, m) {
