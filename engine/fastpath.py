@@ -22,10 +22,10 @@ serves every decode and verify row, so speculative output equals plain output wi
 - `aoti-compiled-step` (CPU, bfloat16, AOTInductor; on by default up to 2 GB of weights,
   `compile=False` or $AGENTFLASH_COMPILE=0 turn it off, `compile=True` forces it; applied
   before packing): the decode and verify forwards are compiled ahead of time into one program,
-  the drafter's forward into another (engine.compiled), cached on disk. Its numbers are Inductor's, not eager's bit
-  for bit, but one program serves every decode and verify row, so greedy speculative output still
-  equals plain output. Where compiling fails (no C++ compiler, an unsupported op), a warning says
-  why and the engine runs eager.
+  the drafter's forward into another (engine.compiled), cached on disk. Its numbers are
+  Inductor's, not eager's bit for bit, but one program serves every decode and verify row, so
+  greedy speculative output still equals plain output. Where compiling fails (no C++ compiler,
+  an unsupported op), a warning says why and the engine runs eager.
 
 One transformation changes the numbers and so runs only when asked for (`quantize="int4"`):
 - `int4-weights` (CPU, bfloat16): the target's decoder linears become group-wise int4

@@ -48,7 +48,8 @@ def judge(logits: torch.Tensor, batch: list[Rows]) -> list[Verdict]:
     verdicts: list[Verdict | None] = [None] * len(batch)
     greedy = [i for i, r in enumerate(batch) if r.params.greedy]
     sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
-    if greedy and logits.device.type == "cpu":  # no device to sync with: judge on the host
+    if greedy and logits.device.type == "cpu" and dispatch.uses_reference("accept_greedy", "cpu"):
+        # no device to sync with: the reference's verdicts, judged on the host
         choice = logits.argmax(-1).tolist()
         for i in greedy:
             r = batch[i]

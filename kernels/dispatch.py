@@ -64,6 +64,12 @@ def _pick(name: str, device_type: str) -> Callable:
     return _BACKENDS["reference"][name]
 
 
+def uses_reference(name: str, device_type: str) -> bool:
+    """Whether `name` runs the torch reference on this device type (callers may then take a
+    host-side shortcut with the same result)."""
+    return _pick(name, device_type) is _BACKENDS["reference"][name]
+
+
 def paged_attention(q, k_cache, v_cache, gather, q_index, out_index, mask, scale, plan=None):
     return _pick("paged_attention", q.device.type)(
         q, k_cache, v_cache, gather, q_index, out_index, mask, scale, plan

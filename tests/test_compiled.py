@@ -16,6 +16,7 @@ from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
+from agentflash.kernels import cpu_ops
 
 PAGE = 16
 
@@ -50,8 +51,14 @@ def _forward(run, model, tokens, ctx_lens, num_new, k, v):
     return run(step_args(ids, pos, attn), k, v)
 
 
-def test_rows_do_not_depend_on_the_forward_and_kv_is_stored_in_place(model):
-    run = CompiledForward.build(model, page_size=PAGE)
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "onednn"])
+def test_rows_do_not_depend_on_the_forward_and_kv_is_stored_in_place(model, kernels):
+    """With agentflash's CPU kernels (where they run) and with oneDNN and the torch attention
+    (where they do not: no AVX512-BF16, no compiler, AGENTFLASH_CPU_KERNELS=0)."""
+    if kernels and not cpu_ops.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_ops.load()}")
+    run = CompiledForward.build(model, page_size=PAGE, kernels=kernels)
+    assert run.program.kernels == kernels
     tokens = [(31 * i + 7) % model.config.vocab_size for i in range(16)]
     k, v = _caches(model, 128)
     block = _forward(run, model, tokens, [1000], [16], k, v)
@@ -154,3 +161,21 @@ def test_a_failed_compile_runs_eager_with_a_warning(monkeypatch, tmp_path, caplo
     (want,) = Engine(load_model(embedded_model_dir(), dtype=torch.bfloat16),
                      compile=False).generate([prompt], params)
     assert done.output_ids == want.output_ids
+
+
+def test_without_the_cpu_kernels_the_engine_keeps_onednn(monkeypatch):
+    """Where the kernels do not build or run, the compiled step runs without them: the same
+    tokens as plain speculative decoding on that program, and the head stays oneDNN's."""
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    model = load_model(embedded_model_dir(), dtype=torch.bfloat16)
+    engine = Engine(model, compile=True)
+    assert "aoti-compiled-step" in engine.fast_paths
+    assert "avx512-bf16-linears" not in engine.fast_paths
+    assert not engine.runner.compiled.program.kernels
+    assert type(model.lm_head).__name__ == "PackedLinear"
+    prompt = [(7 * i + 3) % 4000 for i in range(300)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = engine.generate([prompt], params)[0].output_ids
+    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+    spec = Engine(model, drafter=drafter, compile=True)
+    assert spec.generate([prompt], params)[0].output_ids == plain

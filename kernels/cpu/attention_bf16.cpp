@@ -8,16 +8,17 @@
 // copies alone cost ~9 ms a step at 1000 tokens of context.
 //
 // Query t (of sequence token_seq[t]) sees keys 0 .. token_keys[t] - 1 of its sequence, key j in
-// slot page_table[seq, j / page_size] * page_size + j % page_size of the caches [S, Hkv, D]. Keys go in blocks of 16 at fixed positions
-// (0-15, 16-31, ...). Each block is packed once per (run of queries of a sequence, KV head) for
-// `vdpbf16ps`: its keys transposed into pairs of elements (a query's 16 scores are D/2
-// dot-product steps into 16 float32 lanes, in 8 chains added by a fixed tree; no sum across
-// lanes), its values into pairs of keys. Per query head: the scores scaled (keys it does not
-// see: -inf), an online softmax step (running maximum and sum, the output rescaled by
-// exp(old - new max)), the weights rounded to bfloat16 pairs and the values accumulated in
-// float32; at the end the output is divided by the sum and rounded once to bfloat16. That
-// sequence depends only on the query, its keys and how many it sees, never on what else is in
-// the call or which thread runs it: a verify block's rows are bitwise the decode steps' rows.
+// slot page_table[seq, j / page_size] * page_size + j % page_size of the caches [S, Hkv, D].
+// Keys go in blocks of 16 at fixed positions (0-15, 16-31, ...). Each block is packed once per
+// (run of queries of a sequence, KV head) for `vdpbf16ps`: its keys transposed into pairs of
+// elements (a query's 16 scores are D/2 dot-product steps into 16 float32 lanes, in 8 chains
+// added by a fixed tree; no sum across lanes), its values into pairs of keys. Per query head:
+// the scores scaled (keys it does not see: -inf), an online softmax step (running maximum and
+// sum, the output rescaled by exp(old - new max)), the weights rounded to bfloat16 pairs and
+// the values accumulated in float32; at the end the output is divided by the sum and rounded
+// once to bfloat16. That sequence depends only on the query, its keys and how many it sees,
+// never on what else is in the call or which thread runs it: a verify block's rows are bitwise
+// the decode steps' rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -97,9 +98,10 @@ inline void pack_block(const uint16_t* const* kr, const uint16_t* const* vr, int
       const __m512i lo = 2 * p < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
                                          reinterpret_cast<const __m256i*>(vr[2 * p] + 16 * c)))
                                    : _mm512_setzero_si512();
-      const __m512i hi = 2 * p + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                             reinterpret_cast<const __m256i*>(vr[2 * p + 1] + 16 * c)))
-                                       : _mm512_setzero_si512();
+      const __m512i hi =
+          2 * p + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                              reinterpret_cast<const __m256i*>(vr[2 * p + 1] + 16 * c)))
+                        : _mm512_setzero_si512();
       values[p * (D / 16) + c] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
     }
 }

@@ -8,13 +8,14 @@
 //
 // How: every output y[m, n] is one dot product of x's row m and W's row n, accumulated by
 // `vdpbf16ps` over K in 32-element steps into 16 float32 lanes (the last step masked), then
-// summed across lanes, plus the bias and a residual when given, rounded once to bfloat16. That sequence of instructions
-// is the same for every output whatever M, the tile it is computed in, or the thread that
-// computes it (threads split the rows of W; each output belongs to one thread). So a row's
-// result does not depend on how many rows share the call: a verify block's rows are bitwise the
-// decode steps' rows, which greedy speculative decoding needs to equal plain decoding.
-// Tiles of up to 4 rows of x by 4 rows of W keep 16 accumulators in registers and reuse each
-// loaded vector 4 times; W is read in its plain row-major layout (no packing).
+// summed across lanes by one fixed tree (simd.h: lane_sums, 16 outputs at once), plus the bias
+// and a residual when given, rounded once to bfloat16. That sequence of instructions is the
+// same for every output whatever M, the tile it is computed in, or the thread that computes it
+// (threads split the rows of W; each output belongs to one thread). So a row's result does not
+// depend on how many rows share the call: a verify block's rows are bitwise the decode steps'
+// rows, which greedy speculative decoding needs to equal plain decoding. Tiles of up to 4 rows
+// of x by 4 rows of W keep 16 accumulators in registers and reuse each loaded vector 4 times;
+// W is read in its plain row-major layout (no packing), the next tile's rows prefetched.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
