@@ -61,11 +61,7 @@ _SOURCES = (reference, attention_module, cpu_ops, dflash, kernel_linear, layers,
 
 def cache_dir() -> Path:
     """Where compiled programs live: $AGENTFLASH_CACHE_DIR/compiled, else the user cache."""
-    root = os.environ.get("AGENTFLASH_CACHE_DIR")
-    if root is None:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                            "agentflash")
-    return Path(root) / "compiled"
+    return cpu_ops.cache_root() / "compiled"
 
 
 def compile_enabled() -> bool:

@@ -28,11 +28,6 @@ inline __m512 lane_sums(const __m512 (&v)[16]) {
                        _mm512_shuffle_f32x4(l3[0], l3[1], 0xDD));
 }
 
-// 32 bfloat16 values (the first `mask` ones; the rest read as zeros) as a dot-product operand.
-inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
-
 // 16 bfloat16 values widened to float32 (exact).
 inline __m512 widen_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
