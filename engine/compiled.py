@@ -128,12 +128,8 @@ def _kernel_linears(module: nn.Module) -> nn.Module:
     context K/V rows too (the K and V rows of each layer's fused qkv_proj, as a linear)."""
     out = with_kernel_linears(module)
     if isinstance(module, DFlashDraftModel):
-        rows = []
-        for layer in module.layers:
-            qkv, q_size = layer.self_attn.qkv_proj, layer.self_attn.split_sizes[0]
-            rows.append(KernelLinear(
-                qkv.weight[q_size:], None if qkv.bias is None else qkv.bias[q_size:]))
-        out.context_kv_proj = nn.ModuleList(rows)
+        out.context_kv_proj = nn.ModuleList(
+            KernelLinear(*module.context_kv_rows(i)) for i in range(len(module.layers)))
     return out
 
 

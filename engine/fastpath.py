@@ -99,16 +99,8 @@ def _pack(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> No
     if drafter is not None and layers:
         if drafter.context_kv_proj is None:
             drafter.context_kv_proj = nn.ModuleList(
-                _kv_rows(layer.self_attn) for layer in drafter.layers)
+                PackedLinear(*drafter.context_kv_rows(i)) for i in range(len(drafter.layers)))
         pack_linears(drafter)
-
-
-def _kv_rows(attn: nn.Module) -> nn.Module:
-    """A linear of the K and V rows of an attention layer's fused qkv_proj."""
-    q_size = attn.split_sizes[0]
-    bias = attn.qkv_proj.bias
-    return PackedLinear(attn.qkv_proj.weight[q_size:],
-                        None if bias is None else bias[q_size:])
 
 
 FAST_PATHS: list[FastPath] = [  # in order: int4 first, packing takes what the others left

@@ -132,17 +132,23 @@ class DFlashDraftModel(nn.Module):
         dispatch.store_context_kv(k, v, weight, eps, self.rotary.cos_half, self.rotary.sin_half,
                                   positions, slots, k_cache, v_cache)
 
+    def context_kv_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The K and V rows of layer `layer`'s fused qkv_proj (weight, bias): the projection
+        of the context (a linear of its own once packed: `context_kv_proj`)."""
+        attn = self.layers[layer].self_attn
+        q_size, bias = attn.split_sizes[0], attn.qkv_proj.bias
+        return attn.qkv_proj.weight[q_size:], None if bias is None else bias[q_size:]
+
     def _context_projection(
         self, layer: int, ctx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s raw keys and values [T, Hkv, D] of ctx: the K/V rows of its qkv_proj."""
         attn = self.layers[layer].self_attn
-        q_size, kv_size, _ = attn.split_sizes
+        kv_size = attn.split_sizes[1]
         if self.context_kv_proj is not None:
             kv = self.context_kv_proj[layer](ctx)
         else:
-            weight, bias = attn.qkv_proj.weight, attn.qkv_proj.bias
-            kv = F.linear(ctx, weight[q_size:], None if bias is None else bias[q_size:])
+            kv = F.linear(ctx, *self.context_kv_rows(layer))
         k, v = kv.split(kv_size, dim=-1)
         n = ctx.shape[0]
         return (k.view(n, attn.num_kv_heads, attn.head_dim),
