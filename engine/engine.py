@@ -20,8 +20,7 @@ import torch
 
 from .config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
 from .constraint import TokenConstraint, follow, masked, propose, settle
-from .errors import (ContextLengthError, KVPoolExhaustedError, RequestError,
-                     UnsupportedModelError)
+from .errors import ContextLengthError, KVPoolExhaustedError, RequestError
 from .fastpath import Prepared, prepare
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
@@ -97,9 +96,10 @@ class Engine:
     pool and each running sequence's linear-attention state in a `StatePool` slot. A finished
     sequence's state is snapshotted onto the radix node where its cached tokens end, and a
     prefix hit is taken only up to such a node (the state is restored from it), so the next turn
-    of a conversation computes only its new tokens. Nothing speculative runs: a drafter raises
-    UnsupportedModelError, a prediction RequestError. Its forwards run eager (engine.fastpath
-    leaves hybrid models as loaded)."""
+    of a conversation computes only its new tokens. Verify blocks (DFlash drafts, predictions)
+    run stepwise through the linear layers, and once judged the state is rolled back to the
+    last committed token (ModelRunner.settle), as the KV is. Its forwards run eager
+    (engine.fastpath leaves hybrid models as loaded)."""
 
     def __init__(
         self,
@@ -121,8 +121,6 @@ class Engine:
         None: unless $AGENTFLASH_COMPILE=0). quantize="int4": int4 weights for the target's
         layers (CPU, bfloat16; other numbers than the checkpoint's, so only when asked for)."""
         cfg = model.config
-        if drafter is not None:
-            _refuse_drafter(model)
         if quantize is not None and not fast_path:
             raise ValueError("quantize needs the fast path (fast_path=True)")
         t0 = time.perf_counter()
@@ -186,8 +184,6 @@ class Engine:
         No drafter is loaded implicitly: for the one a model directory carries, pass
         `draft=bundled_drafter_dir(path)` (engine.models.dflash)."""
         model = load_model(path, dtype=dtype, device=device)
-        if draft is not None:
-            _refuse_drafter(model)
         drafter = load_drafter(draft, model) if draft is not None else None
         return cls(model, drafter=drafter, **kwargs)
 
@@ -233,8 +229,6 @@ class Engine:
         predicted = [int(t) for t in prediction or ()]
         if any(not 0 <= t < vocab for t in predicted):
             raise RequestError(f"prediction token ids are outside the vocabulary [0, {vocab})")
-        if predicted and self.states is not None:  # verifying it would need per-position states
-            raise RequestError("predicted outputs are not supported on hybrid targets yet")
         block = self.block_size if drafts else PREDICTION_BLOCK if predicted else 1
         seq = Sequence(next(self._ids), prompt, params, self.max_model_len, pin=pin,
                        reuse=reuse, block_size=block)
@@ -427,6 +421,8 @@ class Engine:
             seq.finish_reason = "stop"
         # KV stays valid for the anchor and accepted drafts only (and never past the last token)
         self.kv.truncate(seq.kv, min(seq.kv.length, seq.num_tokens - 1))
+        if self.states is not None and item.verifies:  # and the linear layers' state with it
+            self.runner.settle(seq.id, seq.kv.length - item.start)
         update = SeqUpdate(seq.id, seq.output_ids[len(seq.output_ids) - kept:])
         seq.follow_prediction(kept)
         if not seq.predicting and not seq.drafts:
@@ -583,13 +579,6 @@ class Engine:
         self.spec = spec
         return (context, [statistics.median(t) for t in target],
                 [statistics.median(d) for d in draft])
-
-
-def _refuse_drafter(model: CausalLM | HybridCausalLM) -> None:
-    """Speculation on a hybrid target would need its linear-attention state at every verified
-    position (to roll back rejected drafts) and a drafter for it: neither exists yet."""
-    if isinstance(model, HybridCausalLM):
-        raise UnsupportedModelError("speculative decoding on hybrid targets is not supported yet")
 
 
 def _interpolate(xs: list[int], ys: list[float], at: Iterable[int]) -> list[float]:

@@ -12,7 +12,9 @@ what else was scheduled with them.
 
 With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V, and every
 forward also carries its sequences' linear-attention states: their `StatePool` rows are gathered
-into a `RecurrentStates`, advanced by the forward and written back.
+into a `RecurrentStates`, advanced by the forward and written back. A verify block (drafts or a
+prediction) runs stepwise through the linear layers and its inputs are kept until the engine has
+judged it; `settle` then rewrites the state as it stood after the block's committed tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .kv.manager import KVManager
 from .kv.pool import KVPool
 from .kv.state_pool import StatePool
 from .models.dflash import DFlashDraftModel
-from .models.gated_deltanet import RecurrentStates
+from .models.gated_deltanet import RecurrentStates, StepInputs, replay
 from .models.qwen3 import CausalLM
 from .models.qwen3_5 import HybridCausalLM
 from .scheduler import BatchItem
@@ -38,6 +40,16 @@ from .scheduler import BatchItem
 class RunnerOutput(NamedTuple):
     logits: torch.Tensor            # [R, V] float32: the sampling rows of all items, in order
     rows: list[tuple[int, int]]     # per item: (first row in logits, row count); count 0: none
+
+
+class _Rollback(NamedTuple):
+    """What a hybrid verify block needs to be rolled back to a prefix of its tokens."""
+
+    slot: int                       # the sequence's state slot
+    tokens: int                     # tokens the block fed
+    conv: list[torch.Tensor]        # per linear layer: the window before the block [C, K - 1]
+    recurrent: list[torch.Tensor]   # the state before the block [Hv, Dk, Dv]
+    inputs: list[StepInputs]        # per linear layer: the block's recorded inputs
 
 
 class ModelRunner:
@@ -51,6 +63,7 @@ class ModelRunner:
             raise ValueError("a hybrid model needs a StatePool, and only a hybrid model has one")
         self.model = model
         self.states = states
+        self._rollbacks: dict[int, _Rollback] = {}  # by sequence id: this step's verify blocks
         self.compiled = compiled
         self.compiled_draft = compiled_draft
         self.pool = pool
@@ -64,6 +77,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, items: list[BatchItem]) -> RunnerOutput:
         """One target forward over all items (prefill chunks, decode tokens, verify blocks)."""
+        self._rollbacks.clear()  # a step's verify blocks are settled before the next forward
         if self.compiled is None:
             return self._forward(items, False)
         small = [i for i, item in enumerate(items) if item.num_tokens <= INVARIANT_MAX_QUERIES]
@@ -121,7 +135,8 @@ class ModelRunner:
 
     def _forward_hybrid(self, items: list[BatchItem], input_ids: torch.Tensor,
                         positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
-        """The hybrid target's forward: each item's state slot rows in, advanced rows back."""
+        """The hybrid target's forward: each item's state slot rows in, advanced rows back;
+        verify blocks stepwise, with what `settle` needs to roll them back kept."""
         assert self.states is not None
         slots = []
         for item in items:
@@ -130,10 +145,33 @@ class ModelRunner:
         # Correctness first: the rows are copied out and back. Layers indexing the pool's
         # tensors by slot in place would save both copies (the whole state, every forward).
         conv, recurrent = self.states.gather(slots)
-        states = RecurrentStates([item.num_tokens for item in items], conv, recurrent)
-        hidden, _ = self.model(input_ids, positions, attn, states)
+        stepwise = frozenset(i for i, item in enumerate(items) if item.verifies)
+        before = {i: ([c[i].clone() for c in conv], [r[i].clone() for r in recurrent])
+                  for i in stepwise}
+        states = RecurrentStates([item.num_tokens for item in items], conv, recurrent, stepwise)
+        out = self.model(input_ids, positions, attn, states, self.capture)
+        if self.drafter is not None:
+            self._store_draft_context(out.captured, positions, attn.slot_mapping)
         self.states.scatter(slots, states.conv, states.recurrent)
-        return hidden
+        self._rollbacks.update({
+            items[i].seq.id: _Rollback(slots[i], items[i].num_tokens, *before[i],
+                                       [states.inputs[(layer, i)] for layer in range(len(conv))])
+            for i in stepwise})
+        return out.hidden
+
+    def settle(self, seq_id: int, fed: int) -> None:
+        """After a hybrid verify block was judged: keep the linear-attention state after the
+        first `fed` of its tokens (those whose KV stays), as if only they had been fed."""
+        rollback = self._rollbacks.pop(seq_id, None)
+        if rollback is None or fed == rollback.tokens:
+            return  # not a hybrid verify block, or every token stays
+        assert self.states is not None and 0 <= fed < rollback.tokens
+        conv, recurrent = [], []
+        for window, state, inputs in zip(rollback.conv, rollback.recurrent, rollback.inputs):
+            window, state = replay(window, state, inputs, fed)
+            conv.append(window[None])
+            recurrent.append(state[None])
+        self.states.scatter([rollback.slot], conv, recurrent)
 
     def _draft_caches(self, caches: list[torch.Tensor]) -> list[torch.Tensor]:
         return [caches[i] for i in self.draft_layers] if self.draft_layers is not None else []

@@ -2,27 +2,30 @@
 transformers' generate with prompts batched together and prefill chunked among decodes; a turn
 resumes from the state snapshot where the previous one ended and computes only its new tokens,
 with the same output as from scratch; a prefix without a snapshot is recomputed, snapshots are
-bounded and go with cleared pages; an abort frees its state slot and KV; speculation on a
-hybrid target is refused."""
+bounded and go with cleared pages; an abort frees its state slot and KV; speculative decoding
+(DFlash drafts, predictions) rolls the linear layers' state back with the KV, so greedy output
+equals plain at every block size and sampling keeps the target's distribution."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 
-from agentflash.engine.config import CacheConfig, SchedulerConfig
+from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig
 from agentflash.engine.engine import Engine
-from agentflash.engine.errors import RequestError, UnsupportedModelError
 from agentflash.engine.models.dflash import load_drafter
+from agentflash.engine.models.gated_deltanet import RecurrentStates, replay
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.qwen3_5 import HybridCausalLM
-from agentflash.engine.sampler import SamplingParams
+from agentflash.engine.sampler import SamplingParams, target_probs
 from test_qwen3_5 import TEXT, make_hf, save_conditional
+from test_spec import chi_square_pvalue
 
 CACHE = CacheConfig(page_size=4, num_pages=256)
 MakeEngine = Callable[..., Engine]
@@ -225,20 +228,147 @@ def test_abort_frees_state_slot_and_kv(hybrid: tuple[Path, Any], make: MakeEngin
     assert_idle_and_clean(engine)
 
 
-def test_speculation_on_hybrid_target_is_refused(
-    hybrid: tuple[Path, Any], make: MakeEngine, dflash_checkpoint: Callable[..., Path]
+def test_a_stepwise_block_is_decode_steps_and_replays_to_any_prefix(
+    hybrid: tuple[Path, Any],
 ) -> None:
+    """A verify block runs stepwise through a linear layer: token by token, as decode steps
+    (to the rounding of its projections, which see 7 rows at once), and replaying the first k
+    of its recorded inputs from the state before it gives the state after k decode steps; all
+    7 replayed are bit for bit the state the block left (the same arithmetic), so a rejection
+    restores the state at the last kept token."""
+    model = load_model(hybrid[0])
+    assert isinstance(model, HybridCausalLM)
+    layer = model.layers[0].linear_attn
+    assert layer is not None
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, model.config.hidden_size, generator=g)
+    before = RecurrentStates.zeros(model.config, [1], "cpu", model.dtype)
+    for t in (*before.conv, *before.recurrent):
+        t.copy_(torch.randn(t.shape, generator=g))
+
+    def fresh(lengths: list[int], stepwise: frozenset[int] = frozenset()) -> RecurrentStates:
+        return RecurrentStates(lengths, [c.clone() for c in before.conv],
+                               [r.clone() for r in before.recurrent], stepwise)
+
+    block = fresh([7], frozenset({0}))
+    with torch.no_grad():
+        out = layer(x, block)
+        decode = fresh([1])
+        rows, after = [], []
+        for t in range(7):
+            rows.append(layer(x[t:t + 1], decode))
+            after.append((decode.conv[0][0].clone(), decode.recurrent[0][0].clone()))
+    torch.testing.assert_close(out, torch.cat(rows), rtol=1e-5, atol=1e-6)
+    inputs = block.inputs[(0, 0)]
+    window, state = replay(before.conv[0][0], before.recurrent[0][0], inputs, 7)
+    assert torch.equal(window, block.conv[0][0]) and torch.equal(state, block.recurrent[0][0])
+    for k in range(7):
+        window, state = replay(before.conv[0][0], before.recurrent[0][0], inputs, k)
+        want = (before.conv[0][0], before.recurrent[0][0]) if k == 0 else after[k - 1]
+        torch.testing.assert_close(window, want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state, want[1], rtol=1e-5, atol=1e-6)
+    # and far from the state the whole block leaves: the test sees a wrong prefix
+    assert not torch.allclose(after[2][1], block.recurrent[0][0], atol=1e-3)
+
+
+def test_greedy_dflash_on_a_hybrid_target_equals_plain_at_every_block_size(
+    dflash_checkpoint: Callable[..., Path], tmp_path: Path,
+) -> None:
+    """A drafter whose target layers mix linear (1) and full (3) attention, on a small-vocabulary
+    hybrid target so that random drafts are often right: at block sizes 2..16, prompts batched
+    and each block partly accepted, the output is plain decoding's token for token, and nothing
+    leaks."""
+    hf = make_hf(seed=11, vocab_size=6)
+    hf.save_pretrained(tmp_path / "target")
+    model = load_model(tmp_path / "target")
+    drafter = load_drafter(dflash_checkpoint(hf.config, target_layer_ids=[1, 3], block_size=16),
+                           model)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(6) for _ in range(rng.randint(3, 30))] for _ in range(5)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = [c.output_ids for c in Engine(model, cache=CACHE).generate(prompts, params)]
+    assert plain[0] == hf_greedy(hf, prompts[0], 24)
+    for block in range(2, 17):
+        engine = Engine(model, cache=CACHE, drafter=drafter, spec=SpecConfig(block))
+        out = engine.generate(prompts, params)
+        assert [c.output_ids for c in out] == plain, f"block {block}"
+        c = engine.counters
+        assert 0 < c.accepted_tokens < c.draft_tokens, (block, c.accepted_tokens)
+        assert_idle_and_clean(engine)
+
+
+def test_predictions_on_a_hybrid_target_roll_the_state_back(
+    hybrid: tuple[Path, Any], make: MakeEngine,
+) -> None:
+    """Predicted Outputs verify the caller's guess, right up to a wrong token: the output is
+    plain decoding's (the steps after the rejection start from the rolled-back state), the
+    right part is accepted, and a second turn resumes exactly from where the first ended."""
     path, hf = hybrid
-    drafter_dir = dflash_checkpoint(hf.config, target_layer_ids=[1, 3])
-    with pytest.raises(UnsupportedModelError, match="speculative decoding on hybrid targets"):
-        Engine.from_dir(path, draft=drafter_dir, cache=CACHE)
-    model = load_model(path)
-    with pytest.raises(UnsupportedModelError, match="speculative decoding on hybrid targets"):
-        Engine(model, cache=CACHE, drafter=load_drafter(drafter_dir, model))
+    prompt = prompts_of([14], seed=8)[0]
+    want = hf_greedy(hf, prompt, 20)
+    guess = want[:6] + [(want[6] + 1) % TEXT["vocab_size"]] + want[7:]
     engine = make()
-    with pytest.raises(RequestError, match="hybrid"):
-        engine.submit([1, 2, 3], prediction=[4, 5, 6])
-    assert not engine.has_work()
+    seq = engine.submit(prompt, SamplingParams(max_new_tokens=20), prediction=guess)
+    while engine.has_work():
+        engine.step()
+    done = engine.result(seq)
+    assert done.output_ids == want
+    assert done.counters.prediction_accepted >= 6
+    # the prefill, one verify (6 accepted, the 7th rejected: its state rolled back), 13 steps
+    assert done.counters.prediction_accepted == 6
+    assert done.counters.target_forwards == 1 + 1 + 13
+    turn2 = prompt + want + prompts_of([5], seed=9)[0]
+    second = engine.submit(turn2, SamplingParams(max_new_tokens=8))
+    while engine.has_work():
+        engine.step()
+    result = engine.result(second)
+    assert result.counters.cached_tokens == len(prompt) + len(want) - 1
+    assert result.output_ids == hf_greedy(hf, turn2, 8)
+    assert_idle_and_clean(engine)
+
+
+def hf_joint(hf: Any, prompt: list[int], params: SamplingParams, n: int) -> dict[tuple, float]:
+    """P(the first n generated tokens) by enumeration with transformers' model."""
+    dist: dict[tuple, float] = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, p in dist.items():
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            for tok, q in enumerate(target_probs(logits, params).tolist()):
+                if q > 0:
+                    nxt[prefix + (tok,)] = p * q
+        dist = nxt
+    return dist
+
+
+def test_dflash_sampling_on_a_hybrid_target_keeps_its_distribution(
+    dflash_checkpoint: Callable[..., Path], tmp_path: Path,
+) -> None:
+    """Sampled with a drafter (blocks of 3, drafts often accepted and often rejected), the joint
+    distribution of the first 3 tokens is the target's (chi-square against transformers'
+    probabilities), and the test rejects a sharper one."""
+    hf = make_hf(seed=12, vocab_size=5)
+    hf.save_pretrained(tmp_path / "target")
+    model = load_model(tmp_path / "target")
+    drafter = load_drafter(dflash_checkpoint(hf.config, target_layer_ids=[0, 3], block_size=3),
+                           model)
+    prompt = [1, 3, 0, 2, 4, 1]
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
+    engine = Engine(model, cache=CacheConfig(page_size=4, num_pages=2048), drafter=drafter,
+                    scheduler=SchedulerConfig(max_running=128))
+    total, counts = 3000, Counter()
+    for start in range(0, total, 500):
+        seeded = [SamplingParams(**{**params.__dict__, "seed": s})
+                  for s in range(start, start + 500)]
+        for c in engine.generate([prompt] * 500, seeded):
+            counts[tuple(c.output_ids)] += 1
+    c = engine.counters
+    assert 0 < c.accepted_tokens < c.draft_tokens
+    assert chi_square_pvalue(counts, hf_joint(hf, prompt, params, 3), total) > 1e-3
+    sharper = SamplingParams(**{**params.__dict__, "temperature": 0.5})
+    assert chi_square_pvalue(counts, hf_joint(hf, prompt, sharper, 3), total) < 1e-3
+    assert_idle_and_clean(engine)
 
 
 def test_hybrid_models_skip_the_fast_path(hybrid: tuple[Path, Any]) -> None:

@@ -10,6 +10,8 @@ published models; its size set by the flags) is saved to a temporary directory a
 turn 2 sends turn 1's prompt and reply plus 64 new tokens, once resuming (the engine restores
 the snapshot and computes the new tokens) and once with reuse=False (the whole prompt computed).
 Reported: each turn-2 TTFT, the tokens each computed, and the bytes of one state snapshot.
+Then c(B): a verify forward of B tokens (stepwise through the linear layers, with the rollback to
+its first token that a rejection costs) in plain decode steps, at the first history length.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +30,7 @@ import transformers
 from agentflash.engine.config import CacheConfig
 from agentflash.engine.engine import Engine
 from agentflash.engine.sampler import SamplingParams
+from agentflash.engine.scheduler import BatchItem
 
 
 def hybrid_checkpoint(path: Path, args: argparse.Namespace) -> None:
@@ -49,6 +54,37 @@ def ttft(engine: Engine, prompt: list[int], reuse: bool) -> tuple[float, int]:
     done, = engine.generate([prompt], SamplingParams(max_new_tokens=1), reuse=reuse)
     c = done.counters
     return c.first_token_at - c.submitted_at, c.prefill_tokens
+
+
+def verify_costs(engine: Engine, prompt: list[int], blocks: list[int], rounds: int = 5
+                 ) -> dict[int, float]:
+    """Median seconds of a target forward over B new tokens after `prompt` (B > 1: a verify
+    block of drafts, then its state rolled back to the first token, as a rejection does), each
+    B once per round; the KV and state are put back after every forward."""
+    engine.generate([prompt], SamplingParams(max_new_tokens=1))   # prompt cached, snapshotted
+    sid = engine.submit(prompt + [1], SamplingParams(max_new_tokens=10**6, ignore_eos=True))
+    seq = engine._seqs[sid]
+    while seq.prefilling or not seq.output_ids:
+        engine.step()
+    assert engine.states is not None and seq.state_slot is not None
+    times: dict[int, list[float]] = {b: [] for b in blocks}
+    for _ in range(rounds + 1):
+        for b in blocks:
+            length = seq.kv.length
+            conv, recurrent = engine.states.gather([seq.state_slot])
+            item = BatchItem(seq, b)
+            item.draft = [1] * (b - 1) if item.verifies else None
+            t0 = time.perf_counter()
+            engine.runner.forward([item])
+            if item.verifies:
+                engine.runner.settle(seq.id, 1)
+            times[b].append(time.perf_counter() - t0)
+            engine.kv.truncate(seq.kv, length)
+            engine.states.scatter([seq.state_slot], conv, recurrent)
+    engine.abort(sid)
+    while engine.has_work():
+        engine.step()
+    return {b: statistics.median(t[1:]) for b, t in times.items()}
 
 
 def main() -> None:
@@ -84,6 +120,10 @@ def main() -> None:
                             "recomputed_ttft_s": scratch_s, "recomputed_computed": scratch_tokens})
             print(json.dumps(results[-1]), flush=True)
             engine.clear_cache()
+        prompt = [rng.randrange(args.vocab) for _ in range(args.history[0])]
+        blocks = [1, 2, 4, 8, 16]
+        with torch.inference_mode():
+            costs = verify_costs(engine, prompt, blocks)
     print(f"\nrandom Qwen3.5-shaped model: {params / 1e6:.0f}M parameters, {args.layers} layers "
           f"(3 linear : 1 full), hidden {args.hidden}, bf16, eager, {args.threads} threads; "
           f"one state snapshot {snapshot / 2**20:.2f} MiB\n")
@@ -92,6 +132,11 @@ def main() -> None:
     for r in results:
         print(f"| {r['history']} | {1e3 * r['resumed_ttft_s']:.0f} ms | {r['resumed_computed']} "
               f"| {1e3 * r['recomputed_ttft_s']:.0f} ms | {r['recomputed_computed']} |")
+    print(f"\nplain decode step at {args.history[0]} tokens: {1e3 * costs[1]:.1f} ms; "
+          "c(B) = verify of B tokens (stepwise, rolled back) / plain step:")
+    print("| B | " + " | ".join(map(str, blocks)) + " |")
+    print("|---|" + "---|" * len(blocks))
+    print("| c(B) | " + " | ".join(f"{costs[b] / costs[1]:.2f}" for b in blocks) + " |")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ sequences: decode) and `delta_rule_chunked` (one sequence, 64-token chunks solve
 prefill). Tokens are flattened as in engine.models.qwen3; `RecurrentStates` says which sequence
 each run of tokens belongs to and holds the states the layer reads and overwrites in place.
 
+A speculative verify block runs "stepwise": token by token in the recurrent form (each token's
+arithmetic is a decode step's), its per-token inputs recorded (`StepInputs`), so that once the
+drafts are judged `replay` gives the exact state after the accepted prefix from the state before
+the block: a rejection rolls the layer back as the paged KV is rolled back.
+
 Parameter names are Hugging Face's, except that in_proj_qkv / in_proj_z / in_proj_b / in_proj_a
 are fused into `in_proj` (rows in that order); the loader concatenates them.
 """
@@ -60,6 +65,32 @@ def conv_dim(config: LinearAttentionConfig) -> int:
             + config.linear_num_value_heads * config.linear_value_head_dim)
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """One linear layer's inputs for the tokens of a stepwise sequence, in order."""
+
+    mixed: torch.Tensor   # [n, conv_dim] the causal conv's inputs (the model's dtype)
+    q: torch.Tensor       # [n, Hv, Dk] float32, as delta_rule_step takes them
+    k: torch.Tensor       # [n, Hv, Dk]
+    v: torch.Tensor       # [n, Hv, Dv]
+    g: torch.Tensor       # [n, Hv]
+    beta: torch.Tensor    # [n, Hv]
+
+
+def replay(window: torch.Tensor, state: torch.Tensor, inputs: StepInputs, count: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv window [C, K - 1] and recurrent state [Hv, Dk, Dv] after the first `count` tokens
+    of `inputs`, from `window` and `state` before them: bit for bit what the stepwise forward
+    held after its count-th token (the same steps on the same inputs)."""
+    keep = window.shape[-1]
+    full = torch.cat((window, inputs.mixed[:count].transpose(0, 1).to(window.dtype)), dim=-1)
+    state = state[None]
+    for t in range(count):
+        _, state = delta_rule_step(inputs.q[t:t + 1], inputs.k[t:t + 1], inputs.v[t:t + 1],
+                                   inputs.g[t:t + 1], inputs.beta[t:t + 1], state)
+    return full[..., full.shape[-1] - keep:], state[0]
+
+
 @dataclass
 class RecurrentStates:
     """Per-sequence state of the linear-attention layers for one forward over sequences laid end to
@@ -70,10 +101,14 @@ class RecurrentStates:
     conv: list[torch.Tensor]           # per linear layer (by ordinal among linear layers):
                                        # [S, conv_dim, kernel - 1], the last inputs, oldest first
     recurrent: list[torch.Tensor]      # per linear layer: [S, Hv, Dk, Dv] float32
+    stepwise: frozenset[int] = frozenset()  # sequences run token by token, inputs recorded
     # The layout of the forward, derived once from `lengths` and shared by every layer:
     decode_seqs: torch.Tensor = field(init=False)    # [B] sequences with one token (recurrent form)
     decode_rows: torch.Tensor = field(init=False)    # [B] their token rows
     prefill: list[tuple[int, int, int]] = field(init=False)  # (sequence, first row, end row)
+    steps: list[tuple[int, int, int]] = field(init=False)    # the stepwise ones, the same way
+    # what each layer (by ordinal) recorded for each stepwise sequence
+    inputs: dict[tuple[int, int], StepInputs] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if any(n < 1 for n in self.lengths):
@@ -87,10 +122,14 @@ class RecurrentStates:
             if rec.dtype != torch.float32:
                 raise ValueError(f"recurrent states must be float32, got {rec.dtype}")
         device = self.conv[0].device if self.conv else torch.device("cpu")
-        seqs, rows, self.prefill = [], [], []
+        if any(not 0 <= s < len(self.lengths) for s in self.stepwise):
+            raise ValueError(f"stepwise sequences {sorted(self.stepwise)} outside the forward")
+        seqs, rows, self.prefill, self.steps = [], [], [], []
         start = 0
         for s, n in enumerate(self.lengths):
-            if n == 1:
+            if s in self.stepwise:
+                self.steps.append((s, start, start + n))
+            elif n == 1:
                 seqs.append(s)
                 rows.append(start)
             else:
@@ -220,8 +259,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, states: RecurrentStates) -> torch.Tensor:
         n = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
-        mixed = self._conv(mixed, states.conv[self.ordinal], states)
+        raw, z, b, a = self.in_proj(x).split(self.split_sizes, dim=-1)
+        mixed = self._conv(raw, states.conv[self.ordinal], states)
         q, k, v = mixed.split(self.qkv_sizes, dim=-1)
         q = l2_normalise(q.float().view(n, self.num_k_heads, self.head_k_dim))
         q = q * self.head_k_dim**-0.5
@@ -233,6 +272,10 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = self._delta_rule(q, k, v, g, beta, states.recurrent[self.ordinal], states)
+        for s, first, end in states.steps:
+            span = slice(first, end)
+            states.inputs[(self.ordinal, s)] = StepInputs(raw[span], q[span], k[span], v[span],
+                                                          g[span], beta[span])
         # gated RMSNorm per value head: norm, weight, then * silu(z) in float32
         z = z.reshape(n, self.num_v_heads, self.head_v_dim)
         out = (self.norm(out.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
@@ -250,6 +293,11 @@ class GatedDeltaNet(nn.Module):
             chunk, last = causal_conv(mixed[None, first:end], window[s:s + 1], weight)
             out[first:end] = chunk[0]
             window[s] = last[0]
+        for s, first, end in states.steps:  # one token at a time, as decode steps
+            for t in range(first, end):
+                step, window[s:s + 1] = causal_conv(mixed[None, t:t + 1], window[s:s + 1],
+                                                    weight)
+                out[t] = step[0, 0]
         return out
 
     def _delta_rule(
@@ -265,4 +313,11 @@ class GatedDeltaNet(nn.Module):
             span = slice(first, end)
             out[span], state[s] = delta_rule_chunked(q[span], k[span], v[span], g[span],
                                                      beta[span], state[s])
+        for s, first, end in states.steps:
+            current = state[s:s + 1]
+            for t in range(first, end):
+                row = slice(t, t + 1)
+                out[row], current = delta_rule_step(q[row], k[row], v[row], g[row], beta[row],
+                                                    current)
+            state[s] = current[0]
         return out

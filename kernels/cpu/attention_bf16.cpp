@@ -42,12 +42,6 @@ constexpr int kMaxDim = 256;    // head_dim, a multiple of 32
 
 inline __m512 exp16(__m512 x) { return at::vec::Vectorized<float>(x).exp_u20(); }
 
-struct Head {  // one query head's running softmax state
-  float max;
-  float sum;
-  alignas(64) float out[kMaxDim];
-};
-
 // out[c] = column c of the 16 x 16 matrix of 32-bit words whose rows are r[0..15].
 inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
   __m512i t[16], u[16], v[4][4];
@@ -104,16 +98,23 @@ inline void pack_block(const uint16_t* const* kr, const uint16_t* const* vr, int
     }
 }
 
-// One query head's state after a block whose first `valid` keys (1..16) it sees: 16 scores
-// (scaled dot products, the rest -inf), the online softmax step (running max and sum, the
-// output rescaled), and the values weighted by the scores rounded to bfloat16 pairs.
+// The running softmax state of a run's query heads: row r is query t0 + r / G, head r % G.
+struct Rows {
+  std::vector<float> max, sum, out;  // [R], [R], [R * D]
+  void reset(int64_t rows, int64_t dim) {
+    max.assign(rows, -std::numeric_limits<float>::infinity());
+    sum.assign(rows, 0.f);
+    out.assign(rows * dim, 0.f);
+  }
+};
+
+// A query head's 16 scores for a block: scaled dot products with its first `valid` keys (the
+// rest -inf), in 8 chains of `vdpbf16ps` added by a fixed tree.
 template <int D>
-__attribute__((always_inline)) inline void update_head(Head& st, const uint16_t* q,
-                                                       const __m512i* keys,
-                                                       const __m512i* values, int valid,
-                                                       float scale) {
+__attribute__((always_inline)) inline __m512 scores(const uint16_t* q, const __m512i* keys,
+                                                    int valid, float scale) {
   const uint32_t* qw = reinterpret_cast<const uint32_t*>(q);
-  constexpr int kChains = D / 2 < 8 ? D / 2 : 8;  // independent sums, added in a fixed tree
+  constexpr int kChains = D / 2 < 8 ? D / 2 : 8;
   __m512 part[kChains];
 #pragma GCC unroll 8
   for (int i = 0; i < kChains; ++i) part[i] = _mm512_setzero_ps();
@@ -125,84 +126,140 @@ __attribute__((always_inline)) inline void update_head(Head& st, const uint16_t*
   for (int width = kChains / 2; width >= 1; width /= 2)
 #pragma GCC unroll 4
     for (int i = 0; i < width; ++i) part[i] = _mm512_add_ps(part[i], part[i + width]);
-  const __m512 dots = part[0];
   const __mmask16 live = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512 scores = _mm512_mask_blend_ps(
-      live, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-      _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
-  const float top = std::max(st.max, _mm512_reduce_max_ps(scores));
-  // an unchanged maximum rescales by exp(0) = 1 exactly: skipped, with the same result
-  const bool same = top == st.max;
-  const __m512 rescale = same ? _mm512_set1_ps(1.f) : exp16(_mm512_set1_ps(st.max - top));
-  const __m512 p = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(top)));
-  st.sum = (same ? st.sum : st.sum * _mm512_cvtss_f32(rescale)) + _mm512_reduce_add_ps(p);
-  st.max = top;
-  alignas(32) uint32_t pairs[8];  // the 16 weights as 8 bfloat16 pairs
-  _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(p));
-  // two chains per 16 elements (pairs 0-3 onto the rescaled output, pairs 4-7 from zero)
-  __m512 o[D / 16], o2[D / 16];
+  return _mm512_mask_blend_ps(live, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                              _mm512_mul_ps(part[0], _mm512_set1_ps(scale)));
+}
+
+// Up to 16 rows' state after a block (row[i] sees the block's first valid[i] keys, 1..16): their
+// scores, the online softmax step (running max and sum, the output rescaled by exp(old - new
+// max)), and the values weighted by the probabilities rounded to bfloat16 pairs. The rows go
+// together so their steps overlap; each lane of the cross-lane trees (simd.h) reduces one row's
+// vector by the same tree whatever its slot, so a row's result depends on its query and keys
+// alone.
+template <int D>
+__attribute__((always_inline)) inline void update_rows(Rows& st, const int64_t* row,
+                                                       const uint16_t* const* q,
+                                                       const int* valid, int n,
+                                                       const __m512i* keys,
+                                                       const __m512i* values, float scale) {
+  __m512 s[16], p[16];
 #pragma GCC unroll 16
-  for (int c = 0; c < D / 16; ++c) {
-    o[c] = _mm512_load_ps(st.out + 16 * c);
-    if (!same) o[c] = _mm512_mul_ps(o[c], rescale);
-    o2[c] = _mm512_setzero_ps();
+  for (int i = 0; i < 16; ++i)
+    s[i] = i < n ? scores<D>(q[i], keys, valid[i], scale)
+                 : _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float old_max[16] = {}, old_sum[16] = {}, top[16], rescale[16];
+  for (int i = 0; i < n; ++i) {
+    old_max[i] = st.max[row[i]];
+    old_sum[i] = st.sum[row[i]];
   }
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k) {
-    const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[k]);
-    const __m512bh w2 = (__m512bh)_mm512_set1_epi32(pairs[k + 4]);
+  const __m512 m = _mm512_max_ps(_mm512_load_ps(old_max), agentflash_cpu::lane_maxes(s));
+  _mm512_store_ps(top, m);
+  const __m512 r = exp16(_mm512_sub_ps(_mm512_load_ps(old_max), m));  // exp(0) = 1 exactly
+  _mm512_store_ps(rescale, r);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i)
+    p[i] = i < n ? exp16(_mm512_sub_ps(s[i], _mm512_set1_ps(top[i]))) : _mm512_setzero_ps();
+  alignas(64) float sum[16];
+  _mm512_store_ps(sum, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(old_sum), r),
+                                     agentflash_cpu::lane_sums(p)));
+  for (int i = 0; i < n; ++i) {
+    st.max[row[i]] = top[i];
+    st.sum[row[i]] = sum[i];
+    alignas(32) uint32_t pairs[8];  // the 16 weights as 8 bfloat16 pairs
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(p[i]));
+    float* out = st.out.data() + row[i] * D;
+    const __m512 scale_out = _mm512_set1_ps(rescale[i]);
+    // two chains per 16 elements (pairs 0-3 onto the rescaled output, pairs 4-7 from zero)
+    __m512 o[D / 16], o2[D / 16];
 #pragma GCC unroll 16
     for (int c = 0; c < D / 16; ++c) {
-      o[c] = _mm512_dpbf16_ps(o[c], w, (__m512bh)values[k * (D / 16) + c]);
-      o2[c] = _mm512_dpbf16_ps(o2[c], w2, (__m512bh)values[(k + 4) * (D / 16) + c]);
+      o[c] = _mm512_mul_ps(_mm512_loadu_ps(out + 16 * c), scale_out);
+      o2[c] = _mm512_setzero_ps();
     }
-  }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[k]);
+      const __m512bh w2 = (__m512bh)_mm512_set1_epi32(pairs[k + 4]);
 #pragma GCC unroll 16
-  for (int c = 0; c < D / 16; ++c) _mm512_store_ps(st.out + 16 * c, _mm512_add_ps(o[c], o2[c]));
+      for (int c = 0; c < D / 16; ++c) {
+        o[c] = _mm512_dpbf16_ps(o[c], w, (__m512bh)values[k * (D / 16) + c]);
+        o2[c] = _mm512_dpbf16_ps(o2[c], w2, (__m512bh)values[(k + 4) * (D / 16) + c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(o[c], o2[c]));
+  }
 }
 
 template <int D>
 void attend_run(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, const int64_t* pages,
                 int64_t page_size, const int64_t* keys, int64_t t0, int64_t t1, int64_t g,
-                int64_t G, int64_t Hq, int64_t slot_stride, float scale,
-                std::vector<Head>& heads, uint16_t* op) {
+                int64_t G, int64_t Hq, int64_t slot_stride, float scale, Rows& st,
+                uint16_t* op) {
   alignas(64) __m512i kblock[D / 2];
   alignas(64) __m512i vblock[8 * (D / 16)];
   int64_t longest = 0;
   for (int64_t t = t0; t < t1; ++t) longest = std::max(longest, keys[t]);
-  heads.resize((t1 - t0) * G);
-  for (Head& st : heads) {
-    st.max = -std::numeric_limits<float>::infinity();
-    st.sum = 0.f;
-    std::fill(st.out, st.out + D, 0.f);
-  }
-  for (int64_t k0 = 0; k0 < longest; k0 += kBlock) {
-    const int in_block = static_cast<int>(std::min<int64_t>(kBlock, longest - k0));
-    const uint16_t* kr[kBlock];
-    const uint16_t* vr[kBlock];
-    for (int j = 0; j < in_block; ++j) {
-      const int64_t key = k0 + j;
-      const int64_t base = (pages[key / page_size] * page_size + key % page_size) * slot_stride +
-                           g * D;
+  st.reset((t1 - t0) * G, D);
+  // the slots of keys k0 .. k0 + 15 (one division per block)
+  auto block_rows = [&](int64_t k0, int n, const uint16_t** kr, const uint16_t** vr) {
+    int64_t page = k0 / page_size, offset = k0 % page_size;
+    for (int j = 0; j < n; ++j) {
+      const int64_t base = (pages[page] * page_size + offset) * slot_stride + g * D;
       kr[j] = kp + base;
       vr[j] = vp + base;
+      if (++offset == page_size) {
+        ++page;
+        offset = 0;
+      }
     }
+  };
+  const uint16_t* kr[kBlock];
+  const uint16_t* vr[kBlock];
+  const uint16_t* next_kr[kBlock];
+  const uint16_t* next_vr[kBlock];
+  block_rows(0, static_cast<int>(std::min<int64_t>(kBlock, longest)), next_kr, next_vr);
+  for (int64_t k0 = 0; k0 < longest; k0 += kBlock) {
+    const int in_block = static_cast<int>(std::min<int64_t>(kBlock, longest - k0));
+    std::copy(next_kr, next_kr + in_block, kr);
+    std::copy(next_vr, next_vr + in_block, vr);
+    // the next block's keys and values, fetched while this one computes
+    const int next_n = static_cast<int>(std::clamp<int64_t>(longest - k0 - kBlock, 0, kBlock));
+    block_rows(k0 + kBlock, next_n, next_kr, next_vr);
+    for (int j = 0; j < next_n; ++j)
+      for (int c = 0; c < D; c += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(next_kr[j] + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next_vr[j] + c), _MM_HINT_T0);
+      }
     pack_block<D>(kr, vr, in_block, kblock, vblock);
+    // the rows that see any of this block's keys, 16 at a time (rows that see none are left
+    // untouched, as in a call without them)
+    int64_t row[16];
+    const uint16_t* q[16];
+    int valid[16];
+    int n = 0;
     for (int64_t t = t0; t < t1; ++t) {
       if (keys[t] <= k0) continue;
-      const int valid = static_cast<int>(std::min<int64_t>(kBlock, keys[t] - k0));
-      for (int64_t h = 0; h < G; ++h)
-        update_head<D>(heads[(t - t0) * G + h], qp + (t * Hq + g * G + h) * D, kblock, vblock,
-                       valid, scale);
+      for (int64_t h = 0; h < G; ++h) {
+        row[n] = (t - t0) * G + h;
+        q[n] = qp + (t * Hq + g * G + h) * D;
+        valid[n] = static_cast<int>(std::min<int64_t>(kBlock, keys[t] - k0));
+        if (++n == 16) {
+          update_rows<D>(st, row, q, valid, n, kblock, vblock, scale);
+          n = 0;
+        }
+      }
     }
+    if (n > 0) update_rows<D>(st, row, q, valid, n, kblock, vblock, scale);
   }
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t h = 0; h < G; ++h) {
-      const Head& st = heads[(t - t0) * G + h];
-      const __m512 total = _mm512_set1_ps(st.sum);
+      const int64_t r = (t - t0) * G + h;
+      const __m512 total = _mm512_set1_ps(st.sum[r]);
       uint16_t* dst = op + (t * Hq + g * G + h) * D;
       for (int64_t d = 0; d < D; d += 16)
-        store_bf16(dst + d, _mm512_div_ps(_mm512_load_ps(st.out + d), total));
+        store_bf16(dst + d, _mm512_div_ps(_mm512_loadu_ps(st.out.data() + r * D + d), total));
     }
 }
 
@@ -253,7 +310,7 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
   const float fscale = static_cast<float>(scale);
   using Run = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
                        int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       int64_t, float, std::vector<Head>&, uint16_t*);
+                       int64_t, float, Rows&, uint16_t*);
   const Run attend = D == 32 ? &attend_run<32> : D == 64 ? &attend_run<64>
                      : D == 96 ? &attend_run<96> : D == 128 ? &attend_run<128>
                      : D == 160 ? &attend_run<160> : D == 192 ? &attend_run<192>
@@ -269,11 +326,11 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
   // one task per (run, KV head): its queries and their G heads share each packed block of keys
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * Hkv, 1,
                    [&](int64_t begin, int64_t end) {
-                     std::vector<Head> heads;
+                     Rows rows;
                      for (int64_t item = begin; item < end; ++item) {
                        const auto [t0, t1] = runs[item / Hkv];
                        attend(qp, kp, vp, table + seq[t0] * P, page_size, keys, t0, t1,
-                              item % Hkv, G, Hq, slot_stride, fscale, heads, op);
+                              item % Hkv, G, Hq, slot_stride, fscale, rows, op);
                      }
                    });
   return out;
