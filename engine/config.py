@@ -213,17 +213,19 @@ def _read_json_object(path: Path) -> dict[str, Any]:
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV pool geometry: `num_pages` pages of `page_size` token slots per layer; for a
-    hybrid model, at most `state_snapshots` linear-attention states kept where turns ended."""
+    hybrid model, at most `state_snapshots` linear-attention states kept where prompts and
+    replies ended and every `state_interval` tokens of a prefill (0: not inside prompts)."""
 
     page_size: int = 16
     num_pages: int = 1024
     state_snapshots: int = 64
+    state_interval: int = 1024
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.num_pages < 1:
             raise ValueError("page_size and num_pages must be >= 1")
-        if self.state_snapshots < 0:
-            raise ValueError("state_snapshots must be >= 0")
+        if self.state_snapshots < 0 or self.state_interval < 0:
+            raise ValueError("state_snapshots and state_interval must be >= 0")
 
 
 @dataclass(frozen=True)

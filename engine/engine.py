@@ -150,7 +150,8 @@ class Engine:
             blank = RecurrentStates.zeros(model.config, [1] * scheduler.max_running,
                                           self.device, self.dtype)
             self.states = StatePool(blank.conv, blank.recurrent, cache.state_snapshots)
-        self.scheduler = Scheduler(scheduler, self.kv, self.states)
+        self.state_interval = cache.state_interval
+        self.scheduler = Scheduler(scheduler, self.kv, self.states, cache.state_interval)
         self.drafter = drafter
         self.block_size = 1
         self.spec = spec
@@ -339,6 +340,8 @@ class Engine:
         judged: list[tuple[BatchItem, Rows]] = []
         for item, (row, count) in zip(items, out.rows):
             self._count(item, t_forward * item.num_tokens / fed)
+            if self.states is not None and item.start < len(item.seq.prompt_ids):
+                self._snapshot_prefill(item)
             if not count:
                 continue
             seq = item.seq
@@ -377,6 +380,19 @@ class Engine:
             seq.counters.grammar_s += time.perf_counter() - t_grammar
         item.num_tokens = len(item.draft) + 1
         return None
+
+    def _snapshot_prefill(self, item: BatchItem) -> None:
+        """A hybrid prefill chunk that ended its prompt or at a multiple of state_interval:
+        its tokens go into the prefix cache, the state after them onto the node ending there
+        (a later prompt sharing that prefix resumes from it)."""
+        seq, end = item.seq, item.start + item.num_tokens
+        interval = self.state_interval
+        if end < len(seq.prompt_ids) and not (interval and end % interval == 0):
+            return
+        assert self.states is not None and seq.kv is not None and seq.state_slot is not None
+        if self.kv.cache_running(seq.kv, seq.prompt_ids):
+            assert seq.kv.node is not None
+            self.states.snapshot(seq.state_slot, seq.kv.node)
 
     def _count(self, item: BatchItem, forward_s: float) -> None:
         seq, c, n = item.seq, item.seq.counters, item.num_tokens

@@ -9,7 +9,8 @@ unless `relieve` (the runtime's: release idle sessions' pins, the longest idle f
 For a hybrid model, admission also hands the sequence a zeroed slot of the `StatePool` (it holds
 max_running slots, so one is always free), restored from the snapshot where the reused prefix
 ends (only such a prefix is reused), and `remove` returns it. Nothing is preempted, so a
-sequence never recomputes from position 0 while holding a slot.
+sequence never recomputes from position 0 while holding a slot. Its prefill chunks end at every
+multiple of `state_interval`, where the engine snapshots the state.
 """
 
 from __future__ import annotations
@@ -60,13 +61,15 @@ class BatchItem:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager, states: StatePool | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVManager, states: StatePool | None = None,
+                 state_interval: int = 0):
         if states is not None and states.num_slots < config.max_running:
             raise ValueError(f"{states.num_slots} state slots for {config.max_running} "
                              "running sequences")
         self.config = config
         self.kv = kv
         self.states = states
+        self.state_interval = state_interval if states is not None else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # set by the layer above (the runtime): frees pinned pages that nothing runs on (idle
@@ -105,7 +108,7 @@ class Scheduler:
         for seq in prefilling:
             if budget <= 0:
                 break
-            n = min(len(seq.prompt_ids) - seq.computed, budget)
+            n = self._prefill_chunk(seq, budget)
             items.append(BatchItem(seq, n))
             budget -= n
         failed: list[Sequence] = []
@@ -121,10 +124,19 @@ class Scheduler:
                 break  # first come, first served: wait for pages to free up
             self.waiting.popleft()
             self.running.append(seq)
-            n = min(len(seq.prompt_ids) - seq.computed, budget)
+            n = self._prefill_chunk(seq, budget)
             items.append(BatchItem(seq, n))
             budget -= n
         return items, failed
+
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
+        """The next prefill chunk's length: what is left of the prompt, within the budget and
+        (hybrid) up to the next multiple of state_interval, where a snapshot is taken."""
+        n = min(len(seq.prompt_ids) - seq.computed, budget)
+        if self.state_interval:
+            boundary = (seq.computed // self.state_interval + 1) * self.state_interval
+            n = min(n, boundary - seq.computed)
+        return n
 
     def _admit(self, seq: Sequence) -> tuple[bool, Exception | None]:
         kv = self.kv.begin(seq.prompt_ids, max_cached=len(seq.prompt_ids) - 1 if seq.reuse else 0,

@@ -184,6 +184,29 @@ def test_a_prefix_without_a_snapshot_is_not_reused(hybrid: tuple[Path, Any], mak
     assert_idle_and_clean(engine)
 
 
+def test_prompts_sharing_a_prefix_resume_from_the_snapshots_inside_it(
+    hybrid: tuple[Path, Any], make: MakeEngine
+) -> None:
+    """Prefill chunks end at every multiple of state_interval and the state is snapshotted
+    there and where the prompt ends: a new conversation sharing the first 40 tokens resumes at
+    32, one that keeps the whole prompt but not the reply resumes at its end; outputs exact."""
+    _, hf = hybrid
+    engine = make(cache=CacheConfig(page_size=4, num_pages=256, state_interval=16))
+    prompt, other, reply = prompts_of([47, 9, 5], seed=12)
+    first, = engine.generate([prompt], SamplingParams(max_new_tokens=6))
+    assert first.counters.target_forwards == 3 + 5  # prefill chunks 16, 16, 15; 5 decodes
+    assert engine.states is not None and engine.states.num_snapshots == 4  # 16, 32, 47, reply
+    branch = prompt[:40] + other
+    done, = engine.generate([branch], SamplingParams(max_new_tokens=6))
+    assert done.counters.cached_tokens == 32
+    assert done.output_ids == hf_greedy(hf, branch, 6)
+    redrafted = prompt + reply  # the same prompt, another reply (re-rendered, say)
+    done, = engine.generate([redrafted], SamplingParams(max_new_tokens=6))
+    assert done.counters.cached_tokens == 47
+    assert done.output_ids == hf_greedy(hf, redrafted, 6)
+    assert_idle_and_clean(engine)
+
+
 def test_snapshots_are_bounded(hybrid: tuple[Path, Any], make: MakeEngine) -> None:
     """With room for one snapshot, the older conversation's is dropped: its next turn computes
     everything (and is still exact); the newer one's resumes."""

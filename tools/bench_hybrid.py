@@ -9,7 +9,9 @@ published models; its size set by the flags) is saved to a temporary directory a
 `Engine.from_dir`, eager. For each history length H: turn 1 prefills H tokens and generates 16;
 turn 2 sends turn 1's prompt and reply plus 64 new tokens, once resuming (the engine restores
 the snapshot and computes the new tokens) and once with reuse=False (the whole prompt computed).
-Reported: each turn-2 TTFT, the tokens each computed, and the bytes of one state snapshot.
+Then a sibling conversation: all but the last 100 tokens of turn 1's prompt plus 64 new ones,
+resuming from the snapshot the prefill took inside the prompt (every `state_interval` tokens).
+Reported: each TTFT, the tokens each computed, and the bytes of one state snapshot.
 Then c(B): a verify forward of B tokens (stepwise through the linear layers, with the rollback to
 its first token that a rejection costs) in plain decode steps, at the first history length.
 """
@@ -115,9 +117,15 @@ def main() -> None:
             turn2 = prompt + first.output_ids + [rng.randrange(args.vocab) for _ in range(64)]
             scratch_s, scratch_tokens = ttft(engine, turn2, reuse=False)
             resumed_s, resumed_tokens = ttft(engine, turn2, reuse=True)
+            # another conversation sharing all but the last 100 tokens of turn 1's prompt (a
+            # system prompt and tools, say): it resumes from the snapshot inside the prompt
+            sibling = prompt[:history - 100] + [rng.randrange(args.vocab) for _ in range(64)]
+            sibling_s, sibling_tokens = ttft(engine, sibling, reuse=True)
             results.append({"history": history, "turn2_tokens": len(turn2),
                             "resumed_ttft_s": resumed_s, "resumed_computed": resumed_tokens,
-                            "recomputed_ttft_s": scratch_s, "recomputed_computed": scratch_tokens})
+                            "recomputed_ttft_s": scratch_s, "recomputed_computed": scratch_tokens,
+                            "sibling_tokens": len(sibling), "sibling_ttft_s": sibling_s,
+                            "sibling_computed": sibling_tokens})
             print(json.dumps(results[-1]), flush=True)
             engine.clear_cache()
         prompt = [rng.randrange(args.vocab) for _ in range(args.history[0])]
@@ -127,11 +135,14 @@ def main() -> None:
     print(f"\nrandom Qwen3.5-shaped model: {params / 1e6:.0f}M parameters, {args.layers} layers "
           f"(3 linear : 1 full), hidden {args.hidden}, bf16, eager, {args.threads} threads; "
           f"one state snapshot {snapshot / 2**20:.2f} MiB\n")
-    print("| history | turn-2 TTFT resuming | computed | turn-2 TTFT recomputing | computed |")
-    print("|---|---|---|---|---|")
+    print("| history | turn-2 TTFT resuming | computed | turn-2 TTFT recomputing | computed "
+          "| sibling prompt | its TTFT | computed |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['history']} | {1e3 * r['resumed_ttft_s']:.0f} ms | {r['resumed_computed']} "
-              f"| {1e3 * r['recomputed_ttft_s']:.0f} ms | {r['recomputed_computed']} |")
+              f"| {1e3 * r['recomputed_ttft_s']:.0f} ms | {r['recomputed_computed']} "
+              f"| {r['sibling_tokens']} | {1e3 * r['sibling_ttft_s']:.0f} ms "
+              f"| {r['sibling_computed']} |")
     print(f"\nplain decode step at {args.history[0]} tokens: {1e3 * costs[1]:.1f} ms; "
           "c(B) = verify of B tokens (stepwise, rolled back) / plain step:")
     print("| B | " + " | ".join(map(str, blocks)) + " |")

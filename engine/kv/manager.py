@@ -170,6 +170,17 @@ class KVManager:
         self.radix.unlock(kv.node)
         kv.node = node
 
+    def cache_running(self, kv: SeqKV, tokens: list[int]) -> bool:
+        """`cache` for a sequence that goes on running: its partial last page, shared from now
+        on, will be copied before it writes there, so that page is promised too. False (nothing
+        cached) when it cannot be promised now."""
+        if kv.length % self.page_size and not self._make_free(1):
+            return False
+        self.cache(kv, tokens)
+        promised = self.reserve(kv, kv.promised_len)  # the page _make_free just set aside
+        assert promised
+        return True
+
     def pin(self, kv: SeqKV) -> Pin:
         self._check_live(kv)
         assert kv.node is not None
