@@ -294,8 +294,15 @@ def test_a_stepwise_block_is_decode_steps_and_replays_to_any_prefix(
     assert not torch.allclose(after[2][1], block.recurrent[0][0], atol=1e-3)
 
 
+QWEN3_6_STYLE = dict(  # as z-lab's Qwen3.6 drafters: YaRN rope, a sliding-window layer
+    layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
+
+
+@pytest.mark.parametrize("style, blocks", [({}, range(2, 17)), (QWEN3_6_STYLE, (2, 5, 16))],
+                         ids=["qwen3.5-drafter", "qwen3.6-drafter"])
 def test_greedy_dflash_on_a_hybrid_target_equals_plain_at_every_block_size(
-    dflash_checkpoint: Callable[..., Path], tmp_path: Path,
+    dflash_checkpoint: Callable[..., Path], tmp_path: Path, style: dict, blocks: range,
 ) -> None:
     """A drafter whose target layers mix linear (1) and full (3) attention, on a small-vocabulary
     hybrid target so that random drafts are often right: at block sizes 2..16, prompts batched
@@ -304,14 +311,16 @@ def test_greedy_dflash_on_a_hybrid_target_equals_plain_at_every_block_size(
     hf = make_hf(seed=11, vocab_size=6)
     hf.save_pretrained(tmp_path / "target")
     model = load_model(tmp_path / "target")
-    drafter = load_drafter(dflash_checkpoint(hf.config, target_layer_ids=[1, 3], block_size=16),
-                           model)
+    drafter = load_drafter(dflash_checkpoint(hf.config, target_layer_ids=[1, 3], block_size=16,
+                                             **style), model)
+    if style:
+        assert drafter.config.rope.rope_type == "yarn" and drafter.layer_kind(0).window == 8
     rng = random.Random(4)
     prompts = [[rng.randrange(6) for _ in range(rng.randint(3, 30))] for _ in range(5)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = [c.output_ids for c in Engine(model, cache=CACHE).generate(prompts, params)]
     assert plain[0] == hf_greedy(hf, prompts[0], 24)
-    for block in range(2, 17):
+    for block in blocks:
         engine = Engine(model, cache=CACHE, drafter=drafter, spec=SpecConfig(block))
         out = engine.generate(prompts, params)
         assert [c.output_ids for c in out] == plain, f"block {block}"
