@@ -130,8 +130,9 @@ class ModelRunner:
             hidden, captured = self.model(input_ids, pos, attn, self.capture)
             if self.drafter is not None:
                 self._store_draft_context(captured, pos, attn.slot_mapping)
-        index = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return RunnerOutput(self.model.logits(hidden[index]), rows)
+        if len(logit_rows) < hidden.shape[0]:  # (every row samples in decode and verify steps)
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
+        return RunnerOutput(self.model.logits(hidden), rows)
 
     def _forward_hybrid(self, items: list[BatchItem], input_ids: torch.Tensor,
                         positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
