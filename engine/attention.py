@@ -221,6 +221,53 @@ class KernelAttention:
                                        self.token_seq, self.token_keys, self.scale)
 
 
+@dataclass
+class KernelDraftAttention:
+    """The DFlash drafter's attention for one forward through the CPU kernel: N blocks of B
+    queries, block n over its sequence's first ctx_lens[n] cached drafter-context keys (read in
+    place through its page table, nothing gathered) and the block's own K/V (passed beside the
+    pool, never stored). Every query of a non-causal layer sees the whole block; of a causal one,
+    the block up to itself. Layers with a window take `PagedDraftAttention` (`supports`)."""
+
+    k_caches: Sequence[torch.Tensor]   # per drafter layer [S, Hkv, D]
+    v_caches: Sequence[torch.Tensor]
+    page_table: torch.Tensor           # [N, P] each sequence's pages (padded with 0)
+    token_seq: torch.Tensor            # [N*B] each query's block
+    token_keys: torch.Tensor           # [N*B] keys a query sees in a non-causal layer
+    causal_keys: torch.Tensor          # [N*B] ... in a causal layer
+    ctx_lens: torch.Tensor             # [N] context keys in the pool
+    page_size: int
+    scale: float
+    causal: Sequence[bool]             # per layer
+
+    @staticmethod
+    def supports(drafter) -> bool:
+        return all(drafter.layer_kind(i).window is None for i in range(len(drafter.layers)))
+
+    @classmethod
+    def build(cls, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+              page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int], block_size: int,
+              page_size: int, drafter) -> KernelDraftAttention:
+        width = max(1, max(-(-n // page_size) for n in ctx_lens))
+        keys = [n + block_size for n in ctx_lens for _ in range(block_size)]
+        causal = [n + i + 1 for n in ctx_lens for i in range(block_size)]
+        seq = [b for b in range(len(ctx_lens)) for _ in range(block_size)]
+        table = [list(pages[:width]) + [0] * (width - len(pages[:width])) for pages in page_tables]
+        t, n = len(seq), len(ctx_lens)
+        flat = torch.tensor([*seq, *keys, *causal, *ctx_lens,
+                             *itertools.chain.from_iterable(table)],
+                            dtype=torch.long, device=k_caches[0].device)
+        return cls(k_caches, v_caches, flat[3 * t + n:].view(n, width), flat[:t], flat[t:2 * t],
+                   flat[2 * t:3 * t], flat[3 * t:3 * t + n], page_size, drafter.attention_scale,
+                   [drafter.layer_kind(i).causal for i in range(len(k_caches))])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys = self.causal_keys if self.causal[layer] else self.token_keys
+        return cpu_ops.paged_attention(q, self.k_caches[layer], self.v_caches[layer],
+                                       self.page_table, self.page_size, self.token_seq, keys,
+                                       self.scale, k, v, self.ctx_lens)
+
+
 def _build_group(
     page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int], num_new: Sequence[int],
     page_size: int, rows: torch.Tensor, cache: torch.Tensor,

@@ -41,7 +41,7 @@ from torch import nn
 from agentflash.kernels import cpu_ops, reference
 
 from . import attention as attention_module
-from .attention import KernelAttention, PagedAttention, PagedDraftAttention
+from .attention import KernelAttention, KernelDraftAttention, PagedAttention, PagedDraftAttention
 from .models import dflash, kernel_linear, layers, qwen3, rope
 from .models.dflash import DFlashDraftModel
 from .models.kernel_linear import KernelLinear, with_kernel_linears
@@ -170,20 +170,30 @@ class _Step(nn.Module):
 
 class _Draft(nn.Module):
     """What is exported for the drafter: N blocks of B tokens embedded, through its layers over
-    each sequence's cached context K/V, to the final norm (the head stays eager)."""
+    each sequence's cached context K/V, to the final norm (the head stays eager). With the CPU
+    kernels (and no windowed layer) the attention reads the context in place
+    (KernelDraftAttention), else through the torch path (PagedDraftAttention)."""
 
     def __init__(self, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
-                 kernels: bool) -> None:
+                 kernels: bool, page_size: int) -> None:
         super().__init__()
         self.embed = model.embed_tokens
         self.drafter = _kernel_linears(drafter) if kernels else drafter
         self.block_size = block_size
+        self.page_size = page_size
+        self.kernel_attention = kernels and KernelDraftAttention.supports(drafter)
 
-    def forward(self, ids, positions, gather, ctx_lens, k_caches, v_caches):
+    def forward(self, ids, positions, attention, k_caches, v_caches):
         d = self.drafter
-        attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
-                                   d.attention_scale,
-                                   [d.layer_kind(i) for i in range(len(d.layers))])
+        if self.kernel_attention:
+            attn = KernelDraftAttention(
+                k_caches, v_caches, *attention, self.page_size, d.attention_scale,
+                [d.layer_kind(i).causal for i in range(len(d.layers))])
+        else:
+            gather, ctx_lens = attention
+            attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
+                                       d.attention_scale,
+                                       [d.layer_kind(i) for i in range(len(d.layers))])
         h = self.embed(ids)
         scale = d.config.input_embedding_scale
         return d(h if scale == 1.0 else h * scale, positions, attn)
@@ -274,27 +284,42 @@ class CompiledForward:
 
 class CompiledDraft:
     """The drafter's forward for one block size: call it with the blocks' token ids [N*B],
-    positions [N*B], context slots [N, L], context lengths [N] and the drafter's caches;
-    returns hidden states [N*B, H] after its final norm."""
+    positions [N*B] and the attention metadata of `attention`; returns hidden states [N*B, H]
+    after its final norm."""
 
-    def __init__(self, program: CompiledProgram) -> None:
+    def __init__(self, program: CompiledProgram, kernel_attention: bool) -> None:
         self.program = program
+        self.kernel_attention = kernel_attention  # KernelDraftAttention, else the torch path
 
     @classmethod
     def build(cls, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
               page_size: int = 16, directory: Path | None = None,
               kernels: bool | None = None) -> CompiledDraft:
         kernels = use_kernels(kernels)
-        key = cache_key(model, drafter, block_size, _linears(kernels))
+        key = cache_key(model, drafter, block_size, page_size, _linears(kernels))
         return cls(CompiledProgram.load_or_build(
             "draft", key, lambda: _draft_export(model, drafter, block_size, page_size, kernels),
-            directory, kernels))
+            directory, kernels), kernels and KernelDraftAttention.supports(drafter))
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, gather: torch.Tensor,
-                 ctx_lens: torch.Tensor, k_caches: Sequence[torch.Tensor],
-                 v_caches: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self.program.run_flat([ids, positions, gather, ctx_lens, *k_caches,
-                                      *v_caches])[0]
+    def attention(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                  page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int],
+                  block_size: int, page_size: int,
+                  drafter: DFlashDraftModel) -> KernelDraftAttention | PagedDraftAttention:
+        """A draft forward's attention metadata in the form this program takes."""
+        build = KernelDraftAttention.build if self.kernel_attention else PagedDraftAttention.build
+        return build(k_caches, v_caches, page_tables, ctx_lens, block_size, page_size, drafter)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
+                 attn: KernelDraftAttention | PagedDraftAttention) -> torch.Tensor:
+        return self.program.run_flat([ids, positions, *_draft_metadata(attn), *attn.k_caches,
+                                      *attn.v_caches])[0]
+
+
+def _draft_metadata(attn: KernelDraftAttention | PagedDraftAttention) -> tuple[torch.Tensor, ...]:
+    if isinstance(attn, KernelDraftAttention):
+        return (attn.page_table, attn.token_seq, attn.token_keys, attn.causal_keys,
+                attn.ctx_lens)
+    return (attn.gather, attn.ctx_lens)
 
 
 def _linears(kernels: bool) -> str:
@@ -404,23 +429,31 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
 def _draft_export(model: CausalLM, drafter: DFlashDraftModel, block_size: int,
                   page_size: int, kernels: bool) -> tuple:
     """The drafter program's module, example inputs and dynamic shapes: 3 blocks over contexts
-    of 1200 / 640 / 300 tokens (context slots padded to 76 pages)."""
+    of 1200 / 640 / 300 tokens."""
     dcfg = drafter.config
     dkv = (dcfg.num_key_value_heads, dcfg.head_dim, model.dtype)
     k_caches = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
     v_caches = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
     ctx_lens = [1200, 640, 300]
-    attn = PagedDraftAttention.build(k_caches, v_caches, _tables(ctx_lens, page_size), ctx_lens,
-                                     block_size, page_size, drafter)
+    module = _Draft(model, drafter, block_size, kernels, page_size)
+    build = KernelDraftAttention.build if module.kernel_attention else PagedDraftAttention.build
+    attn = build(k_caches, v_caches, _tables(ctx_lens, page_size), ctx_lens, block_size,
+                 page_size, drafter)
     positions = torch.cat([torch.arange(c, c + block_size) for c in ctx_lens])
     ids = torch.zeros(len(ctx_lens) * block_size, dtype=torch.long)
-    example = (ids, positions, attn.gather, attn.ctx_lens, k_caches, v_caches)
+    example = (ids, positions, _draft_metadata(attn), k_caches, v_caches)
     Dim = torch.export.Dim
     seqs, keys = Dim("seqs", min=1, max=1 << 12), Dim("keys", min=1, max=1 << 20)
     slots = Dim("slots", min=page_size)
-    shapes = ({0: seqs * block_size}, {0: seqs * block_size}, {0: seqs, 1: keys}, {0: seqs},
-              [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches))
-    return _Draft(model, drafter, block_size, kernels), example, shapes
+    tokens = {0: seqs * block_size}
+    if module.kernel_attention:
+        pages = Dim("pages", min=1, max=1 << 16)
+        attention: tuple = ({0: seqs, 1: pages}, tokens, tokens, tokens, {0: seqs})
+    else:
+        attention = ({0: seqs, 1: keys}, {0: seqs})
+    shapes = (tokens, tokens, attention, [{0: slots}] * len(k_caches),
+              [{0: slots}] * len(v_caches))
+    return module, example, shapes
 
 
 def _compile(make: Callable[[], tuple], path: Path) -> None:

@@ -202,16 +202,14 @@ class ModelRunner:
             positions.extend(range(start, start + block_size))
             page_tables.append(seq.kv.pages)
             ctx_lens.append(start)
-        attn = PagedDraftAttention.build(
-            self._draft_caches(self.pool.k), self._draft_caches(self.pool.v),
-            page_tables, ctx_lens, block_size, self.kv.page_size, self.drafter,
-        )
+        meta = (self._draft_caches(self.pool.k), self._draft_caches(self.pool.v), page_tables,
+                ctx_lens, block_size, self.kv.page_size, self.drafter)
         block_ids = torch.tensor(ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         if self.compiled_draft is not None:
-            hidden = self.compiled_draft(block_ids, pos, attn.gather, attn.ctx_lens,
-                                         attn.k_caches, attn.v_caches)
+            hidden = self.compiled_draft(block_ids, pos, self.compiled_draft.attention(*meta))
         else:
+            attn = PagedDraftAttention.build(*meta)
             hidden = self.drafter(self.drafter.embed_block(self.model, block_ids), pos, attn)
         hidden = hidden.view(len(items), block_size, -1)[:, 1 : 1 + drafts]
         return self.drafter.logits(self.model, hidden)

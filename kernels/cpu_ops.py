@@ -121,13 +121,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, page_size: int, token_seq: torch.Tensor,
-                    token_keys: torch.Tensor, scale: float) -> torch.Tensor:
+                    token_keys: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
+                    v_new: torch.Tensor | None = None,
+                    cached: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of queries q [T, Hq, D] over caches [S, Hkv, D]: query t sees the first
     token_keys[t] keys of sequence token_seq[t], key j in page page_table[seq, j // page_size]
-    ([B, P]) at offset j % page_size. Returns [T, Hq, D] (bfloat16; head_dim a multiple of 32
-    up to 256)."""
+    ([B, P]) at offset j % page_size. With k_new, v_new [T, Hkv, D] and cached [B]: keys from
+    cached[seq] on are the rows of the query's run (its consecutive queries of that sequence)
+    in k_new / v_new instead, in order (a drafter block's own K/V). Returns [T, Hq, D]
+    (bfloat16; head_dim a multiple of 32 up to 256)."""
     return torch.ops.agentflash.paged_attention_bf16(q, k_cache, v_cache, page_table, page_size,
-                                                     token_seq, token_keys, scale)
+                                                     token_seq, token_keys, scale, k_new, v_new,
+                                                     cached)
 
 
 def _register_fakes() -> None:
@@ -139,5 +144,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("agentflash::paged_attention_bf16")
     def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    page_table: torch.Tensor, page_size: int, token_seq: torch.Tensor,
-                   token_keys: torch.Tensor, scale: float) -> torch.Tensor:
+                   token_keys: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
+                   v_new: torch.Tensor | None = None,
+                   cached: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q)

@@ -103,10 +103,11 @@ def test_the_drafter_runs_compiled_and_its_context_is_stored_by_the_target_progr
                              dv[0].clone())
     assert torch.allclose(dk[0][984:1000].float(), want_k[984:1000].float(), atol=0.1, rtol=0.05)
 
-    gather = torch.arange(63 * PAGE)[None]
     block = torch.tensor([tokens[0]] + [drafter.config.mask_token_id] * 15)
     bpos = torch.arange(1000, 1016)
-    got = draft(block, bpos, gather, torch.tensor([1000]), dk, dv)
+    assert draft.kernel_attention == cpu_ops.available()  # the context read in place
+    got = draft(block, bpos, draft.attention(dk, dv, [list(range(63))], [1000], 16, PAGE,
+                                             drafter))
     eager_attn = PagedDraftAttention.build(dk, dv, [list(range(63))], [1000], 16, PAGE, drafter)
     want = drafter(drafter.embed_block(model, block), bpos, eager_attn)
     cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)

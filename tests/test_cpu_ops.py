@@ -88,6 +88,36 @@ def test_attention_matches_float32_and_rows_are_independent(heads, kv_heads, dim
         assert torch.equal(alone[0], out[t])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_over_new_rows_is_the_same_as_over_them_in_the_pool(causal):
+    """Drafter blocks: keys past each sequence's cached context come from the block's own rows
+    (k_new, v_new) instead of the pool. Bit for bit what the kernel gives with those rows stored
+    in the pool after the context; and the float32 reference agrees."""
+    page, B = 16, 16
+    k_cache, v_cache = _bf16(4096, 2, 64, seed=0), _bf16(4096, 2, 64, seed=1)
+    table = torch.randperm(256, generator=torch.Generator().manual_seed(2))[:130].view(2, 65)
+    ctx = torch.tensor([1000, 37])
+    q, k_new, v_new = _bf16(2 * B, 6, 64, seed=3), _bf16(2 * B, 2, 64, seed=4), _bf16(
+        2 * B, 2, 64, seed=5)
+    seq = torch.arange(2).repeat_interleave(B)
+    offsets = torch.arange(1, B + 1).repeat(2) if causal else torch.full((2 * B,), B)
+    keys = ctx.repeat_interleave(B) + offsets
+    out = cpu_ops.paged_attention(q, k_cache, v_cache, table, page, seq, keys, 0.125, k_new,
+                                  v_new, ctx)
+    stored_k, stored_v = k_cache.clone(), v_cache.clone()
+    for t in range(2 * B):  # the block's rows written where they would sit in the pool
+        b, pos = int(seq[t]), int(ctx[seq[t]]) + t % B
+        slot = int(table[b, pos // page]) * page + pos % page
+        stored_k[slot], stored_v[slot] = k_new[t], v_new[t]
+    same = cpu_ops.paged_attention(q, stored_k, stored_v, table, page, seq, keys, 0.125)
+    assert torch.equal(out, same)
+    want = _reference_attention(q, stored_k, stored_v, table, page, seq, keys, 0.125)
+    assert (out.float() - want).abs().max() < 0.02
+    with pytest.raises(RuntimeError, match="sees 1017 keys"):  # past the block's own rows
+        cpu_ops.paged_attention(q, k_cache, v_cache, table, page, seq, keys + 1, 0.125, k_new,
+                                v_new, ctx)
+
+
 def test_attention_refuses_a_query_past_its_keys_or_pages():
     k_cache, q = _bf16(64, 2, 64, seed=0), _bf16(1, 2, 64, seed=1)
     with pytest.raises(RuntimeError, match="sees 65 keys"):

@@ -12,7 +12,9 @@ greedy tokens), and DFlash's tau (tokens committed per verify step). Models and 
 - 11m: the embedded agentflash-11m (bf16) with its DFlash drafter; prompts are held-out agent
   turns of 500-3000 tokens, spread by length: the BFCL test split (tools/build_corpus.py on the
   bfcl-eval wheel, read, never installed) rendered as tools/eval_drafter.py does. An extra column
-  runs DFlash stopping at eos, tokens/s over the tokens actually produced.
+  runs DFlash stopping at eos, tokens/s over the tokens actually produced; "DFlash auto" is
+  Runtime.load's default speculation (step costs measured before timing, then each request
+  verifies as many drafts as pay for its acceptance, or none).
 - 0.6b: a random bf16 checkpoint of Qwen3-0.6B's shape (seed 0), prompts of 1000 random token
   ids. Its tokenizer is the 11m's byte-level BPE grown to 151936 entries, each new one the merge
   of two older ones (llama.cpp's converter needs BPE merges; vLLM detokenizes every id it
@@ -224,15 +226,22 @@ def agent_prompts(cache: Path, n: int, lo: int = 500, hi: int = 3000) -> list[li
 
 def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: Path | None = None,
                     ignore_eos: bool = True, quantize: str | None = None,
-                    compile: bool = True) -> list[Run]:
+                    compile: bool = True, auto: bool = False) -> list[Run]:
     """Runs on the project's engine (its default fast path; compile=False: eager forwards),
-    in this process. A compile happens when the engine is made, before anything is timed."""
+    in this process. A compile happens when the engine is made, before anything is timed.
+    auto: speculation as `Runtime.load`'s default ("auto"): the step costs measured first, then
+    each request verifies the number of drafts that pays for its acceptance (or none)."""
+    import dataclasses
+
     import torch
 
     from agentflash.engine.engine import Engine
     from agentflash.engine.sampler import SamplingParams
 
     engine = Engine.from_dir(model_dir, draft=draft, quantize=quantize, compile=compile)
+    if auto:
+        with torch.inference_mode():
+            engine.spec = dataclasses.replace(engine.spec, cost=engine.measure_step_cost())
 
     def run(prompt: list[int], params: SamplingParams) -> Run:
         c = engine.counters
@@ -402,6 +411,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         engines["agentflash DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft)
         engines["agentflash DFlash, eos"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
                                                                     ignore_eos=False)
+        engines["agentflash DFlash auto"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
+                                                                    auto=True)
         engines["agentflash int4 DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
                                                                     quantize="int4")
     if not args.skip_llama:
@@ -430,7 +441,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash eager", "agentflash plain",
                "agentflash int4",
-               "agentflash DFlash", "agentflash DFlash, eos", "agentflash int4 DFlash"]
+               "agentflash DFlash", "agentflash DFlash, eos", "agentflash DFlash auto",
+               "agentflash int4 DFlash"]
     columns = [c for c in columns if any(c in m["engines"] for m in results.values())]
     titles = {"11m": "agentflash-11m", "0.6b": "Qwen3-0.6B-shaped random bf16"}
     lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]

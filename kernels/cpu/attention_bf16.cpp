@@ -9,6 +9,9 @@
 //
 // Query t (of sequence token_seq[t]) sees keys 0 .. token_keys[t] - 1 of its sequence, key j in
 // slot page_table[seq, j / page_size] * page_size + j % page_size of the caches [S, Hkv, D].
+// With k_new / v_new [T, Hkv, D] and cached [B] (the DFlash drafter's blocks, whose own K/V are
+// not in the pool), key j >= cached[seq] of a run of queries t0 .. t1 - 1 is instead row
+// t0 + j - cached[seq] of k_new / v_new: the run's own rows.
 // Keys go in blocks of 16 at fixed positions (0-15, 16-31, ...). Each block is packed once per
 // (run of queries of a sequence, KV head) for `vdpbf16ps`: its keys transposed into pairs of
 // elements (a query's 16 scores are D/2 dot-product steps into 16 float32 lanes, in 8 chains
@@ -192,24 +195,43 @@ __attribute__((always_inline)) inline void update_rows(Rows& st, const int64_t* 
   }
 }
 
+// Where one (run, KV head)'s keys live: the pool through its sequence's page table, and from
+// key `cached` on (when `kn` is set) the run's own new rows.
+struct Source {
+  const uint16_t* kp;
+  const uint16_t* vp;
+  const int64_t* pages;
+  int64_t page_size;
+  int64_t slot_stride;  // elements between slots of the caches (and rows of k_new): Hkv * D
+  int64_t cached;       // keys in the pool
+  const uint16_t* kn;   // the run's first new row at this KV head, or nullptr
+  const uint16_t* vn;
+};
+
 template <int D>
-void attend_run(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, const int64_t* pages,
-                int64_t page_size, const int64_t* keys, int64_t t0, int64_t t1, int64_t g,
-                int64_t G, int64_t Hq, int64_t slot_stride, float scale, Rows& st,
+void attend_run(const Source& src, const uint16_t* qp, const int64_t* keys, int64_t t0,
+                int64_t t1, int64_t g, int64_t G, int64_t Hq, float scale, Rows& st,
                 uint16_t* op) {
   alignas(64) __m512i kblock[D / 2];
   alignas(64) __m512i vblock[8 * (D / 16)];
   int64_t longest = 0;
   for (int64_t t = t0; t < t1; ++t) longest = std::max(longest, keys[t]);
   st.reset((t1 - t0) * G, D);
-  // the slots of keys k0 .. k0 + 15 (one division per block)
+  // the rows of keys k0 .. k0 + n - 1 (one division per block)
   auto block_rows = [&](int64_t k0, int n, const uint16_t** kr, const uint16_t** vr) {
-    int64_t page = k0 / page_size, offset = k0 % page_size;
+    int64_t page = k0 / src.page_size, offset = k0 % src.page_size;
     for (int j = 0; j < n; ++j) {
-      const int64_t base = (pages[page] * page_size + offset) * slot_stride + g * D;
-      kr[j] = kp + base;
-      vr[j] = vp + base;
-      if (++offset == page_size) {
+      const int64_t key = k0 + j;
+      if (src.kn != nullptr && key >= src.cached) {
+        kr[j] = src.kn + (key - src.cached) * src.slot_stride;
+        vr[j] = src.vn + (key - src.cached) * src.slot_stride;
+        continue;
+      }
+      const int64_t base =
+          (src.pages[page] * src.page_size + offset) * src.slot_stride + g * D;
+      kr[j] = src.kp + base;
+      vr[j] = src.vp + base;
+      if (++offset == src.page_size) {
         ++page;
         offset = 0;
       }
@@ -266,7 +288,10 @@ void attend_run(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, cons
 at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& page_table,
                                 int64_t page_size, const at::Tensor& token_seq,
-                                const at::Tensor& token_keys, double scale) {
+                                const at::Tensor& token_keys, double scale,
+                                const std::optional<at::Tensor>& k_new,
+                                const std::optional<at::Tensor>& v_new,
+                                const std::optional<at::Tensor>& cached) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "paged_attention_bf16: q [T, Hq, D], caches [S, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
@@ -292,14 +317,48 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t B = table_c.size(0), P = table_c.size(1), L = P * page_size;
   const int64_t num_pages = k_cache.size(0) / page_size;
   const int64_t* table = table_c.data_ptr<int64_t>();
+  const bool with_new = k_new.has_value() && k_new->defined();
+  TORCH_CHECK(with_new == (v_new.has_value() && v_new->defined()) &&
+                  with_new == (cached.has_value() && cached->defined()),
+              "paged_attention_bf16: k_new, v_new and cached go together");
+  at::Tensor kn_c, vn_c, cached_c;
+  if (with_new) {
+    TORCH_CHECK(k_new->dim() == 3 && k_new->size(0) == T && k_new->size(1) == Hkv &&
+                    k_new->size(2) == D && v_new->sizes() == k_new->sizes() &&
+                    k_new->scalar_type() == at::kBFloat16 &&
+                    v_new->scalar_type() == at::kBFloat16 && cached->dim() == 1 &&
+                    cached->size(0) == B && cached->scalar_type() == at::kLong,
+                "paged_attention_bf16: bfloat16 k_new, v_new [T, Hkv, D] and int64 cached [B]");
+    kn_c = k_new->contiguous();
+    vn_c = v_new->contiguous();
+    cached_c = cached->contiguous();
+  }
+  const int64_t* pooled = with_new ? cached_c.data_ptr<int64_t>() : nullptr;
+  // runs of consecutive queries of one sequence (a decode row, a verify block, a draft block)
+  std::vector<std::pair<int64_t, int64_t>> runs;
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(seq[t] >= 0 && seq[t] < B && keys[t] >= 1 && keys[t] <= L,
-                "paged_attention_bf16: query ", t, " sees ", keys[t], " keys of sequence ",
-                seq[t], " (", B, " sequences of up to ", L, " keys)");
-    for (int64_t p = 0; p < (keys[t] + page_size - 1) / page_size; ++p)
-      TORCH_CHECK(table[seq[t] * P + p] >= 0 && table[seq[t] * P + p] < num_pages,
-                  "paged_attention_bf16: page ", table[seq[t] * P + p], " of sequence ", seq[t],
-                  " is not in the cache (", num_pages, " pages)");
+    TORCH_CHECK(seq[t] >= 0 && seq[t] < B, "paged_attention_bf16: query ", t, " of sequence ",
+                seq[t], " (", B, " sequences)");
+    if (runs.empty() || seq[t] != seq[runs.back().first] || t != runs.back().second)
+      runs.emplace_back(t, t + 1);
+    else
+      runs.back().second = t + 1;
+  }
+  for (const auto& [t0, t1] : runs) {
+    const int64_t b = seq[t0];
+    const int64_t in_pool = with_new ? pooled[b] : L;
+    TORCH_CHECK(in_pool >= 0 && in_pool <= L, "paged_attention_bf16: ", in_pool,
+                " cached keys of sequence ", b, " (up to ", L, ")");
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t most = with_new ? in_pool + (t1 - t0) : L;
+      TORCH_CHECK(keys[t] >= 1 && keys[t] <= most, "paged_attention_bf16: query ", t,
+                  " sees ", keys[t], " keys of sequence ", b, " (it has ", most, ")");
+      const int64_t from_pool = std::min(keys[t], in_pool);
+      for (int64_t p = 0; p < (from_pool + page_size - 1) / page_size; ++p)
+        TORCH_CHECK(table[b * P + p] >= 0 && table[b * P + p] < num_pages,
+                    "paged_attention_bf16: page ", table[b * P + p], " of sequence ", b,
+                    " is not in the cache (", num_pages, " pages)");
+    }
   }
   at::Tensor out = at::empty({T, Hq, D}, qc.options());
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
@@ -308,29 +367,27 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t G = Hq / Hkv, slot_stride = Hkv * D;
   const float fscale = static_cast<float>(scale);
-  using Run = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
-                       int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       int64_t, float, Rows&, uint16_t*);
+  using Run = void (*)(const Source&, const uint16_t*, const int64_t*, int64_t, int64_t,
+                       int64_t, int64_t, int64_t, float, Rows&, uint16_t*);
   const Run attend = D == 32 ? &attend_run<32> : D == 64 ? &attend_run<64>
                      : D == 96 ? &attend_run<96> : D == 128 ? &attend_run<128>
                      : D == 160 ? &attend_run<160> : D == 192 ? &attend_run<192>
                      : D == 224 ? &attend_run<224> : &attend_run<256>;
-  // runs of consecutive queries of one sequence (a decode row, a verify block)
-  std::vector<std::pair<int64_t, int64_t>> runs;
-  for (int64_t t = 0; t < T; ++t) {
-    if (runs.empty() || seq[t] != seq[runs.back().first] || t != runs.back().second)
-      runs.emplace_back(t, t + 1);
-    else
-      runs.back().second = t + 1;
-  }
+  const uint16_t* knp = with_new ? reinterpret_cast<const uint16_t*>(kn_c.data_ptr()) : nullptr;
+  const uint16_t* vnp = with_new ? reinterpret_cast<const uint16_t*>(vn_c.data_ptr()) : nullptr;
   // one task per (run, KV head): its queries and their G heads share each packed block of keys
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * Hkv, 1,
                    [&](int64_t begin, int64_t end) {
                      Rows rows;
                      for (int64_t item = begin; item < end; ++item) {
                        const auto [t0, t1] = runs[item / Hkv];
-                       attend(qp, kp, vp, table + seq[t0] * P, page_size, keys, t0, t1,
-                              item % Hkv, G, Hq, slot_stride, fscale, rows, op);
+                       const int64_t g = item % Hkv, b = seq[t0];
+                       const int64_t first = (t0 * Hkv + g) * D;
+                       const Source src{kp, vp, table + b * P, page_size, slot_stride,
+                                        with_new ? pooled[b] : L,
+                                        with_new ? knp + first : nullptr,
+                                        with_new ? vnp + first : nullptr};
+                       attend(src, qp, keys, t0, t1, g, G, Hq, fscale, rows, op);
                      }
                    });
   return out;
@@ -341,7 +398,8 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
   m.def(
       "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
-      "int page_size, Tensor token_seq, Tensor token_keys, float scale) -> Tensor");
+      "int page_size, Tensor token_seq, Tensor token_keys, float scale, Tensor? k_new=None, "
+      "Tensor? v_new=None, Tensor? cached=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agentflash, CPU, m) {
