@@ -1,7 +1,9 @@
-"""Randomised engine lifecycle: interleaved submit / follow-up / step / abort / unpin on a tiny
-model (Qwen3, and the hybrid Qwen3.5 whose follow-ups resume from state snapshots), with the KV
-page and state slot invariants checked after every operation, greedy outputs that never depend
-on what was cached, and a clean pool at the end."""
+"""Randomised engine lifecycle: interleaved submit / follow-up / predicted repeat / step / abort /
+unpin on a tiny model (Qwen3, and the hybrid Qwen3.5 whose follow-ups and shared prefixes resume
+from state snapshots taken inside prompts, at their ends and at replies' ends, and whose
+predictions roll the state back), with the KV page and state slot invariants checked after every
+operation, greedy outputs that never depend on what was cached or predicted, and a clean pool at
+the end."""
 
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine = Engine(self.model, CacheConfig(page_size=3, num_pages=40),
+        # a hybrid model snapshots its state every 4 prompt tokens (partial pages shared
+        # mid-prefill) and at prompt ends, as well as where replies end
+        self.engine = Engine(self.model, CacheConfig(page_size=3, num_pages=40, state_interval=4),
                              SchedulerConfig(max_batch_tokens=16, max_running=4))
         self.live: set[int] = set()
         self.pins: list = []
@@ -62,6 +66,21 @@ class EngineMachine(RuleBasedStateMachine):
         try:
             self.live.add(self.engine.submit(list(prompt) + output + tail,
                                              SamplingParams(max_new_tokens=new), pin=pin))
+        except KVPoolExhaustedError:
+            assert self.pins, "only pinned sessions can exhaust this pool"
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), wrong=st.integers(0, 5), pin=st.booleans())
+    def predicted(self, data, wrong, pin):
+        """A prompt run before, with its output as the prediction but one token wrong: verified
+        as drafts, rolled back at the wrong one (a hybrid model's state too); the output must
+        be what it was."""
+        (prompt, new), output = data.draw(st.sampled_from(sorted(self.history.items())))
+        guess = list(output)
+        guess[wrong % len(guess)] = (guess[wrong % len(guess)] + 1) % 32
+        try:
+            self.live.add(self.engine.submit(list(prompt), SamplingParams(max_new_tokens=new),
+                                             pin=pin, prediction=guess))
         except KVPoolExhaustedError:
             assert self.pins, "only pinned sessions can exhaust this pool"
 
