@@ -150,7 +150,6 @@ class Engine:
             blank = RecurrentStates.zeros(model.config, [1] * scheduler.max_running,
                                           self.device, self.dtype)
             self.states = StatePool(blank.conv, blank.recurrent, cache.state_snapshots)
-        self.state_interval = cache.state_interval
         self.scheduler = Scheduler(scheduler, self.kv, self.states, cache.state_interval)
         self.drafter = drafter
         self.block_size = 1
@@ -386,7 +385,7 @@ class Engine:
         its tokens go into the prefix cache, the state after them onto the node ending there
         (a later prompt sharing that prefix resumes from it)."""
         seq, end = item.seq, item.start + item.num_tokens
-        interval = self.state_interval
+        interval = self.scheduler.state_interval  # where it ends prefill chunks
         if end < len(seq.prompt_ids) and not (interval and end % interval == 0):
             return
         assert self.states is not None and seq.kv is not None and seq.state_slot is not None
