@@ -6,7 +6,7 @@ calls `backend.attend(layer, q, k, v)`. The backend decides where keys come from
 - `PagedAttention`: the tokens' K/V are stored into the pool first, then every query attends over
   its sequence's cached keys up to its own position (prefill chunks, decode and verify blocks
   are all this one case: a run of new queries at the end of a cached prefix).
-- `KernelAttention`: the same for decode rows and verify blocks through agentflash's AVX512-BF16
+- `KernelAttention`: the same for decode rows and verify blocks through agentflash's CPU
   kernel (kernels.cpu_ops.paged_attention), which reads the pool in place; what a compiled step
   runs where the kernel does (engine.compiled).
 """
@@ -242,7 +242,8 @@ class KernelDraftAttention:
 
     @staticmethod
     def supports(drafter) -> bool:
-        return all(drafter.layer_kind(i).window is None for i in range(len(drafter.layers)))
+        return (cpu_ops.attends(drafter.config.head_dim)
+                and all(drafter.layer_kind(i).window is None for i in range(len(drafter.layers))))
 
     @classmethod
     def build(cls, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],

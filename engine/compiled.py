@@ -23,7 +23,6 @@ through it once it has it. (The drafter's numbers only decide which drafts are p
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import inspect
@@ -31,7 +30,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -41,10 +39,12 @@ from torch import nn
 from agentflash.kernels import cpu_ops, reference
 
 from . import attention as attention_module
+from . import forward as forward_module
 from .attention import KernelAttention, KernelDraftAttention, PagedAttention, PagedDraftAttention
+from .forward import (DecodeForward, DraftForward, DraftStep, StepArgs, TargetStep,
+                      draft_metadata, step_args)
 from .models import dflash, kernel_linear, layers, qwen3, rope
 from .models.dflash import DFlashDraftModel
-from .models.kernel_linear import KernelLinear, with_kernel_linears
 from .models.qwen3 import CausalLM
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,8 @@ INDUCTOR_OPTIONS = {"freezing": True}
 rounds fused kernels' intermediates to bfloat16 as eager does, was measured to break the equality
 of batched decode rows and verify blocks: tests/test_embedded.py failed with it.)"""
 
-_SOURCES = (reference, attention_module, cpu_ops, dflash, kernel_linear, layers, qwen3, rope,
-            sys.modules[__name__])
+_SOURCES = (reference, attention_module, forward_module, cpu_ops, dflash, kernel_linear, layers,
+            qwen3, rope, sys.modules[__name__])
 """Modules whose code the compiled program is made of: their source is part of the cache key."""
 
 
@@ -86,125 +86,13 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-@dataclass(frozen=True)
-class StepArgs:
-    """The tensors of one compiled forward (built by `step_args` from the eager metadata)."""
-
-    ids: torch.Tensor            # [T]
-    positions: torch.Tensor      # [T]
-    slot_mapping: torch.Tensor   # [T] where each new token's K/V goes
-    attention: tuple[torch.Tensor, ...]
-    """With the CPU kernels, KernelAttention's (page_table [B, P], token_seq [T], token_keys
-    [T]); else the torch path's (q_index [B, Q]: token row per (sequence, query), T padding;
-    out_index [T]: row of the [B*Q] output holding each token; the ChunkPlan's kv_index
-    [B, Hkv, n, C] and visible [B, n, Q, C])."""
-
-
-def step_args(ids: torch.Tensor, positions: torch.Tensor,
-              attn: PagedAttention | KernelAttention) -> StepArgs:
-    """The compiled forward's inputs for a forward whose metadata is `attn`: a KernelAttention,
-    or a PagedAttention built with `one_group=True` on CPU in bfloat16 (so with a ChunkPlan)."""
-    if isinstance(attn, KernelAttention):
-        return StepArgs(ids, positions, attn.slot_mapping,
-                        (attn.page_table, attn.token_seq, attn.token_keys))
-    (group,) = attn.groups
-    assert group.plan is not None
-    out_index = group.out_index
-    if out_index is None:
-        out_index = torch.arange(ids.shape[0], device=ids.device)
-    return StepArgs(ids, positions, attn.slot_mapping,
-                    (group.q_index, out_index, group.plan.kv_index, group.plan.visible))
-
-
-def use_kernels(kernels: bool | None = None) -> bool:
-    """Whether programs compute their linear layers with agentflash's AVX512-BF16 kernel
-    (kernels.cpu_ops: faster than oneDNN at a few rows) rather than oneDNN's matmul:
-    where it runs, unless `kernels` is False."""
-    return kernels is not False and cpu_ops.available()
-
-
-def _kernel_linears(module: nn.Module) -> nn.Module:
-    """`module` with its linears through the kernel (a copy sharing the weights); a drafter's
-    context K/V rows too (the K and V rows of each layer's fused qkv_proj, as a linear)."""
-    out = with_kernel_linears(module)
-    if isinstance(module, DFlashDraftModel):
-        out.context_kv_proj = nn.ModuleList(
-            KernelLinear(*module.context_kv_rows(i)) for i in range(len(module.layers)))
-    return out
-
-
-class _Step(nn.Module):
-    """What is exported for the target: its forward over one group of paged attention, then,
-    with a drafter, the drafter's context K/V of the fed positions stored into its caches (the
-    runner's `_store_draft_context`, folded in)."""
-
-    def __init__(self, model: CausalLM, drafter: DFlashDraftModel | None,
-                 kernels: bool, page_size: int) -> None:
-        super().__init__()
-        self.model = _without_head(model)
-        self.kernels = kernels
-        self.page_size = page_size
-        if kernels:
-            self.model = _kernel_linears(self.model)
-            drafter = None if drafter is None else _kernel_linears(drafter)
-        self.drafter = drafter
-        self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-
-    def forward(self, ids, positions, slot_mapping, attention, k_caches, v_caches,
-                draft_k_caches, draft_v_caches):
-        scale = self.model.attention_scale
-        if self.kernels:
-            attn = KernelAttention(k_caches, v_caches, slot_mapping, *attention, self.page_size,
-                                   scale)
-        else:
-            q_index, out_index, kv_index, visible = attention
-            attn = PagedAttention.from_plan(k_caches, v_caches, slot_mapping, q_index, out_index,
-                                            reference.ChunkPlan(kv_index, visible), scale)
-        out = self.model(ids, positions, attn, self.capture)
-        if self.drafter is not None:
-            ctx = self.drafter.context_features(out.captured)
-            for i, (k, v) in enumerate(zip(draft_k_caches, draft_v_caches)):
-                self.drafter.store_context_kv(i, ctx, positions, slot_mapping, k, v)
-        return out.hidden
-
-
-class _Draft(nn.Module):
-    """What is exported for the drafter: N blocks of B tokens embedded, through its layers over
-    each sequence's cached context K/V, to the final norm (the head stays eager). With the CPU
-    kernels (and no windowed layer) the attention reads the context in place
-    (KernelDraftAttention), else through the torch path (PagedDraftAttention)."""
-
-    def __init__(self, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
-                 kernels: bool, page_size: int) -> None:
-        super().__init__()
-        self.embed = model.embed_tokens
-        self.drafter = _kernel_linears(drafter) if kernels else drafter
-        self.block_size = block_size
-        self.page_size = page_size
-        self.kernel_attention = kernels and KernelDraftAttention.supports(drafter)
-
-    def forward(self, ids, positions, attention, k_caches, v_caches):
-        d = self.drafter
-        if self.kernel_attention:
-            attn = KernelDraftAttention(
-                k_caches, v_caches, *attention, self.page_size, d.attention_scale,
-                [d.layer_kind(i).causal for i in range(len(d.layers))])
-        else:
-            gather, ctx_lens = attention
-            attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
-                                       d.attention_scale,
-                                       [d.layer_kind(i) for i in range(len(d.layers))])
-        h = self.embed(ids)
-        scale = d.config.input_embedding_scale
-        return d(h if scale == 1.0 else h * scale, positions, attn)
-
-
-def _without_head(model: CausalLM) -> CausalLM:
-    """The model sharing every module but its head: the program ends at the final norm, and a
-    packed head (engine.fastpath, an earlier engine on the same model) cannot be traced."""
-    trunk = copy.copy(model)
-    trunk._modules = {**model._modules, "lm_head": None}
-    return trunk
+def use_kernels(model: CausalLM, kernels: bool | None = None) -> bool:
+    """Whether programs compute their linear layers and attention with agentflash's CPU
+    kernels (kernels.cpu_ops: faster than oneDNN at a few rows) rather than oneDNN's matmul and
+    the torch attention: where they run and take the model's heads, unless `kernels` is
+    False."""
+    return (kernels is not False and cpu_ops.available()
+            and cpu_ops.attends(model.config.head_dim))
 
 
 class CompiledProgram:
@@ -219,7 +107,7 @@ class CompiledProgram:
         self.path = path
         self.compiled = compiled   # False: loaded from the disk cache
         self.seconds = seconds     # compiling (or loading) it
-        self.kernels = kernels     # its linears run agentflash's AVX512-BF16 kernel
+        self.kernels = kernels     # its linears and attention run agentflash's CPU kernels
 
     @classmethod
     def load_or_build(cls, name: str, key: str, make: Callable[[], tuple],
@@ -241,12 +129,13 @@ class CompiledProgram:
         return cls(run, path, compiled, seconds, kernels)
 
 
-class CompiledForward:
-    """The target's decode/verify forward: call it with `StepArgs`, the target's per-layer
-    caches and the drafter's (with a drafter, whose context K/V it stores); returns the
-    hidden states [T, H] after the final norm."""
+class CompiledForward(DecodeForward):
+    """`TargetStep` compiled ahead of time: the target's decode/verify forward."""
+
+    kind = "compiled"
 
     def __init__(self, program: CompiledProgram) -> None:
+        super().__init__(program.kernels)
         self.program = program
 
     @classmethod
@@ -256,23 +145,12 @@ class CompiledForward:
         """Load the program for `model` (and `drafter`'s context store) from the cache,
         compiling it first when it is not there. The models must hold plain `nn.Linear`
         layers (before engine.fastpath packs them: freezing packs its own copy). kernels:
-        linears through the AVX512-BF16 kernel (`use_kernels`; None: where it runs)."""
-        kernels = use_kernels(kernels)
+        linears and attention through the CPU kernels (`use_kernels`; None: where they run)."""
+        kernels = use_kernels(model, kernels)
         key = cache_key(model, drafter, _linears(kernels))
         return cls(CompiledProgram.load_or_build(
             "step", key, lambda: _step_export(model, drafter, page_size, kernels), directory,
             kernels))
-
-    def attention(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
-                  page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int],
-                  num_new: Sequence[int], page_size: int,
-                  scale: float) -> KernelAttention | PagedAttention:
-        """A forward's attention metadata in the form this program takes (`step_args`)."""
-        if self.program.kernels:
-            return KernelAttention.build(k_caches, v_caches, page_tables, ctx_lens, num_new,
-                                         page_size, scale)
-        return PagedAttention.build(k_caches, v_caches, page_tables, ctx_lens, num_new,
-                                    page_size, scale, one_group=True)
 
     def __call__(self, args: StepArgs, k_caches: Sequence[torch.Tensor],
                  v_caches: Sequence[torch.Tensor], draft_k_caches: Sequence[torch.Tensor] = (),
@@ -282,50 +160,36 @@ class CompiledForward:
             *draft_k_caches, *draft_v_caches])[0]
 
 
-class CompiledDraft:
-    """The drafter's forward for one block size: call it with the blocks' token ids [N*B],
-    positions [N*B] and the attention metadata of `attention`; returns hidden states [N*B, H]
-    after its final norm."""
+class CompiledDraft(DraftForward):
+    """`DraftStep` compiled ahead of time, for one block size."""
+
+    kind = "compiled"
 
     def __init__(self, program: CompiledProgram, kernel_attention: bool) -> None:
+        super().__init__(kernel_attention)
         self.program = program
-        self.kernel_attention = kernel_attention  # KernelDraftAttention, else the torch path
 
     @classmethod
     def build(cls, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
               page_size: int = 16, directory: Path | None = None,
               kernels: bool | None = None) -> CompiledDraft:
-        kernels = use_kernels(kernels)
+        kernels = use_kernels(model, kernels)
         key = cache_key(model, drafter, block_size, page_size, _linears(kernels))
         return cls(CompiledProgram.load_or_build(
             "draft", key, lambda: _draft_export(model, drafter, block_size, page_size, kernels),
             directory, kernels), kernels and KernelDraftAttention.supports(drafter))
 
-    def attention(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
-                  page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int],
-                  block_size: int, page_size: int,
-                  drafter: DFlashDraftModel) -> KernelDraftAttention | PagedDraftAttention:
-        """A draft forward's attention metadata in the form this program takes."""
-        build = KernelDraftAttention.build if self.kernel_attention else PagedDraftAttention.build
-        return build(k_caches, v_caches, page_tables, ctx_lens, block_size, page_size, drafter)
-
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
                  attn: KernelDraftAttention | PagedDraftAttention) -> torch.Tensor:
-        return self.program.run_flat([ids, positions, *_draft_metadata(attn), *attn.k_caches,
+        return self.program.run_flat([ids, positions, *draft_metadata(attn), *attn.k_caches,
                                       *attn.v_caches])[0]
-
-
-def _draft_metadata(attn: KernelDraftAttention | PagedDraftAttention) -> tuple[torch.Tensor, ...]:
-    if isinstance(attn, KernelDraftAttention):
-        return (attn.page_table, attn.token_seq, attn.token_keys, attn.causal_keys,
-                attn.ctx_lens)
-    return (attn.gather, attn.ctx_lens)
 
 
 def _linears(kernels: bool) -> str:
     """What computes a program's linears and attention, for its cache key (the kernels'
     sources included)."""
-    return f"avx512-bf16-{cpu_ops.source_digest()}" if kernels else "onednn"
+    isa = cpu_ops.isa()
+    return f"{isa.name if isa else '?'}-{cpu_ops.source_digest()}" if kernels else "onednn"
 
 
 @functools.cache
@@ -423,7 +287,7 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
     shapes = ({0: tokens}, {0: tokens}, {0: tokens}, attention,
               [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches),
               [{0: slots}] * len(draft_k), [{0: slots}] * len(draft_v))
-    return _Step(model, drafter, kernels, page_size), example, shapes
+    return TargetStep(model, drafter, kernels, page_size), example, shapes
 
 
 def _draft_export(model: CausalLM, drafter: DFlashDraftModel, block_size: int,
@@ -435,13 +299,13 @@ def _draft_export(model: CausalLM, drafter: DFlashDraftModel, block_size: int,
     k_caches = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
     v_caches = _caches(_PAGES, page_size, len(drafter.layers), *dkv)
     ctx_lens = [1200, 640, 300]
-    module = _Draft(model, drafter, block_size, kernels, page_size)
+    module = DraftStep(model, drafter, block_size, kernels, page_size)
     build = KernelDraftAttention.build if module.kernel_attention else PagedDraftAttention.build
     attn = build(k_caches, v_caches, _tables(ctx_lens, page_size), ctx_lens, block_size,
                  page_size, drafter)
     positions = torch.cat([torch.arange(c, c + block_size) for c in ctx_lens])
     ids = torch.zeros(len(ctx_lens) * block_size, dtype=torch.long)
-    example = (ids, positions, _draft_metadata(attn), k_caches, v_caches)
+    example = (ids, positions, draft_metadata(attn), k_caches, v_caches)
     Dim = torch.export.Dim
     seqs, keys = Dim("seqs", min=1, max=1 << 12), Dim("keys", min=1, max=1 << 20)
     slots = Dim("slots", min=page_size)

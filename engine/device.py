@@ -1,8 +1,11 @@
 """Device and default dtype resolution.
 
-On CUDA the default compute dtype is bfloat16. On CPU it is bfloat16 only where the processor
-has native bf16 matrix instructions (AMX or AVX512-BF16); elsewhere bf16 matmuls are emulated
-and float32 is faster (measured: tools/bench_dtype.py).
+On CUDA the default compute dtype is bfloat16. On CPU it is bfloat16 where the processor has
+native bf16 matrix instructions (AMX or AVX512-BF16), or where agentflash's CPU kernels run
+(kernels.cpu_ops: AVX2 with FMA; bf16 weights widened in registers: half the bytes a decode step
+reads, and the engine's fast path takes every matmul off torch's emulated bf16 path); elsewhere
+float32, since torch emulates bf16 matmuls there at a fraction of its float32 speed (measured:
+tools/bench_dtype.py, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import functools
 from pathlib import Path
 
 import torch
+
+from agentflash.kernels import cpu_ops
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -38,11 +43,17 @@ def cpu_has_native_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def cpu_prefers_bf16() -> bool:
+    """bfloat16 is the faster compute dtype on this CPU: it has native bf16 instructions, or
+    agentflash's CPU kernels run here (built on first call, ~30 s once per machine)."""
+    return cpu_has_native_bf16() or cpu_ops.available()
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        if device.type == "cuda" or cpu_has_native_bf16():
+        if device.type == "cuda" or cpu_prefers_bf16():
             return torch.bfloat16
         return torch.float32
     try:

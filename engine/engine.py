@@ -162,7 +162,7 @@ class Engine:
                 [(dcfg.num_key_value_heads, dcfg.head_dim)] * dcfg.num_hidden_layers
             )
         self.runner = ModelRunner(model, self.pool, self.kv, drafter, draft_layers,
-                                  prepared.compiled, prepared.compiled_draft, self.states)
+                                  prepared.decode, prepared.draft, self.states)
         self.detokenize = detokenize
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.counters = EngineCounters()

@@ -15,9 +15,16 @@ serves every decode and verify row, so speculative output equals plain output wi
   packed copy of the embedding matrix (the embedding lookup keeps the plain one). With the
   compiled step only the head is packed: the programs hold their own packed weights.
 
-- `avx512-bf16-linears` (with the compiled step, where agentflash's CPU kernels run:
-  kernels.cpu_ops): the programs compute their linears and attention with them, and the head
-  becomes a `KernelLinear` on the checkpoint's matrix (engine.compiled).
+- `cpu-kernels` (with the compiled step, where agentflash's CPU kernels run: kernels.cpu_ops,
+  AVX512-BF16 or AVX2): the programs compute their linears and attention with them, and the
+  head becomes a `KernelLinear` on the checkpoint's matrix (engine.compiled).
+
+- `cpu-kernel-linears` (CPU, bfloat16, no native bf16 matmuls, where the CPU kernels run): every
+  linear layer of the eager models becomes a `KernelLinear` (engine.models.kernel_linear), so
+  prefill runs the kernel too, where torch's emulated bf16 matmul is ~5x slower than float32;
+  its rows do not depend on the prefill chunk they are in (float32 matmuls' do, which would
+  part speculative from plain output). Applied after compiling (the programs trace the plain
+  linears).
 
 - `aoti-compiled-step` (CPU, bfloat16, AOTInductor; on by default up to 2 GB of weights,
   `compile=False` or $AGENTFLASH_COMPILE=0 turn it off, `compile=True` forces it; applied
@@ -33,7 +40,8 @@ One transformation changes the numbers and so runs only when asked for (`quantiz
   drafter runs on 16 rows a forward, where the int4 kernel is slower than packed bf16). Greedy
   speculative output equals the quantized target's plain output, bit for bit.
 
-Hybrid targets (Qwen3.5, engine.models.qwen3_5) get none of these yet and run eager, as loaded.
+Hybrid targets (Qwen3.5, engine.models.qwen3_5) run eager; in bfloat16 on a CPU without native
+bf16 matmuls their linears run the CPU kernel (`cpu-kernel-linears`), else they are as loaded.
 """
 
 from __future__ import annotations
@@ -46,10 +54,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from agentflash.kernels import cpu_ops
+
 from . import compiled as compiled_step
 from .compiled import CompiledDraft, CompiledForward
+from .forward import DecodeForward, DraftForward
 from .models.dflash import DFlashDraftModel
-from .models.kernel_linear import KernelLinear
+from .models.kernel_linear import KernelLinear, swap_linears
 from .models.packed import PackedLinear, pack_linears, packing_available
 from .models.quantized import int4_available, quantize_linears_int4
 from .models.qwen3 import CausalLM
@@ -78,7 +89,7 @@ def _int4(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> No
 
 
 def _kernel_head(model: CausalLM) -> None:
-    """The head through the AVX512-BF16 kernel, on the checkpoint's matrix (no copy)."""
+    """The head through the CPU kernel, on the checkpoint's matrix (no copy)."""
     if model.lm_head is None or isinstance(model.lm_head, nn.Linear):
         weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         model.lm_head = KernelLinear(weight, None if model.lm_head is None
@@ -103,17 +114,40 @@ def _pack(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> No
         pack_linears(drafter)
 
 
-FAST_PATHS: list[FastPath] = [  # in order: int4 first, packing takes what the others left
+def _kernels_everywhere(model: CausalLM, quantize: str | None) -> bool:
+    return _cpu_bf16(model) and not packing_available() and cpu_ops.available()
+
+
+def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> None:
+    """Every linear of the eager models, with a decode forward or not: prefill runs them (and
+    the drafter's context projection with it)."""
+    if model.lm_head is None:  # tied: the head reads the embedding's matrix
+        model.lm_head = KernelLinear(model.embed_tokens.weight, None)
+    swap_linears(model)
+    if drafter is not None:
+        if drafter.context_kv_proj is None:
+            drafter.context_kv_proj = nn.ModuleList(
+                KernelLinear(*drafter.context_kv_rows(i)) for i in range(len(drafter.layers)))
+        swap_linears(drafter)
+
+
+FAST_PATHS: list[FastPath] = [  # in order: int4 first, the layouts take what the others left
     FastPath("int4-weights", lambda model, quantize: quantize == "int4", _int4),
     FastPath("onednn-packed-bf16", _packs, _pack),
+    FastPath("cpu-kernel-linears", _kernels_everywhere, _kernel_linears),
 ]
+
+_LAYOUTS = frozenset({"onednn-packed-bf16", "cpu-kernel-linears"})
+"""The decode/verify forward is made before the first of these: export traces plain linears,
+and the forward's kernel linears read the checkpoint's weights, not a packed copy."""
 
 
 @dataclass(frozen=True)
 class Prepared:
     applied: list[str]                       # names of the transformations applied, in order
-    compiled: CompiledForward | None = None  # the compiled decode/verify forward, if made
-    compiled_draft: CompiledDraft | None = None  # the drafter's, if made
+    decode: DecodeForward | None = None      # the decode/verify forward (compiled or eager
+                                             # on the CPU kernels), if made
+    draft: DraftForward | None = None        # the drafter's, if made
     seconds: dict[str, float] = field(default_factory=dict)  # time each one took
 
 
@@ -124,14 +158,21 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
     drafter). Models stay usable for inference only. quantize="int4" asks for int4 weights
     (CPU, bfloat16 only: ValueError elsewhere). compile: build (or load) the compiled
     decode/verify forward and the drafter's forward for `block_size` (None: unless
-    $AGENTFLASH_COMPILE=0). A hybrid model is left as it is."""
+    $AGENTFLASH_COMPILE=0); where none is made and the CPU kernels run, the same forwards run
+    eager on them. A hybrid model is left as it is."""
     if isinstance(model, HybridCausalLM):
         # The compiled step exports CausalLM's forward over paged attention alone (no recurrent
         # states to carry), and packing and int4 were never checked against transformers on
-        # the DeltaNet layers (conv1d, gated norm): hybrid models run eager until they are.
+        # the DeltaNet layers (conv1d, gated norm): hybrid models run eager until they are,
+        # with every linear on the CPU kernel where torch would emulate bf16 matmuls.
         if quantize is not None:
             raise ValueError(f"quantize={quantize!r} is not supported on hybrid models yet")
-        return Prepared([])
+        if not _kernels_everywhere(model, None):
+            return Prepared([])
+        t0 = time.perf_counter()
+        _kernel_linears(model, drafter, True)
+        return Prepared(["cpu-kernel-linears"],
+                        seconds={"cpu-kernel-linears": time.perf_counter() - t0})
     if quantize is not None:
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize={quantize!r}: choose from {QUANTIZATIONS} or None")
@@ -139,12 +180,12 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
             weight = model.embed_tokens.weight
             raise ValueError(f"quantize={quantize!r} needs a bfloat16 model on CPU and torch's "
                              f"CPU int4 kernel; this one is {weight.dtype} on {weight.device}")
-    if _cpu_bf16(model) and not packing_available():
-        log.warning("oneDNN bfloat16 matmuls with prepacked weights are not available in this "
-                    "torch build or on this CPU: linear layers run unpacked (slower)")
+    if _cpu_bf16(model) and not packing_available() and not cpu_ops.available():
+        log.warning("neither oneDNN bfloat16 matmuls with prepacked weights nor agentflash's "
+                    "CPU kernels run here (%s): bfloat16 linear layers run unpacked and slow; "
+                    "float32 may be faster", cpu_ops.load())
     applied: list[str] = []
     seconds: dict[str, float] = {}
-    compiled = compiled_draft = None
     if compile is None:
         compile = compiled_step.compile_enabled()
         if compile and compiled_step.weight_bytes(model) > compiled_step.DEFAULT_MAX_BYTES:
@@ -152,38 +193,50 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
                      "package would copy the weights); Engine(compile=True) does",
                      compiled_step.weight_bytes(model) / 1e9)
             compile = False
+    decode: DecodeForward | None = None
+    draft: DraftForward | None = None
+    made = False
     with torch.inference_mode():
         for path in FAST_PATHS:
-            if path.name == "onednn-packed-bf16" and compile and compiled_step.applies(model):
-                # Compiled before packing: export traces plain linears (freezing packs its own
-                # copy). The compiled models' linears then stay plain: only prefill runs the
-                # target's eager, where oneDNN's per-call reorder is small beside a matmul of
-                # many rows.
+            if path.name in _LAYOUTS and not made:
+                made = True
                 t0 = time.perf_counter()
-                compiled, compiled_draft = _compile(model, drafter, block_size, page_size)
-                if compiled is not None:
+                decode, draft = _forwards(model, drafter, compile, block_size, page_size)
+                if decode is not None and decode.kind == "compiled":
                     applied.append("aoti-compiled-step")
                     seconds["aoti-compiled-step"] = time.perf_counter() - t0
-                    if compiled.program.kernels:  # the head too: rows as invariant
-                        _kernel_head(model)
-                        applied.append("avx512-bf16-linears")
+                if decode is not None and decode.kernels:  # the head too: rows as invariant
+                    _kernel_head(model)
+                    applied.append("cpu-kernels")
             if path.applies(model, quantize):
                 t0 = time.perf_counter()
-                path.apply(model, drafter, compiled is None)
+                # with a decode forward, the eager layers serve prefill only (many rows)
+                path.apply(model, drafter, decode is None)
                 applied.append(path.name)
                 seconds[path.name] = time.perf_counter() - t0
-    return Prepared(applied, compiled, compiled_draft, seconds)
+    return Prepared(applied, decode, draft, seconds)
 
 
-def _compile(model: CausalLM, drafter: DFlashDraftModel | None, block_size: int,
-             page_size: int) -> tuple[CompiledForward | None, CompiledDraft | None]:
-    """The target's program, then the drafter's; where one cannot be made, its forward runs
-    eager (with a warning saying why)."""
-    step = _try(lambda: CompiledForward.build(model, drafter, page_size), "decode step")
-    if step is None or drafter is None:
-        return step, None
-    return step, _try(lambda: CompiledDraft.build(model, drafter, block_size, page_size),
-                      "drafter forward")
+def _forwards(model: CausalLM, drafter: DFlashDraftModel | None, compile: bool,
+              block_size: int, page_size: int) -> tuple[DecodeForward | None, DraftForward | None]:
+    """The decode/verify forward and the drafter's: compiled where asked and possible, else
+    eager on the CPU kernels where they run, else none (the eager model serves every row)."""
+    decode: DecodeForward | None = None
+    draft: DraftForward | None = None
+    compiles = compile and compiled_step.applies(model)
+    if compiles:
+        decode = _try(lambda: CompiledForward.build(model, drafter, page_size), "decode step")
+    kernels = _cpu_bf16(model) and compiled_step.use_kernels(model)
+    if decode is None and kernels:
+        decode = DecodeForward.eager(model, drafter, page_size)
+    if decode is None or drafter is None:
+        return decode, None
+    if compiles:
+        draft = _try(lambda: CompiledDraft.build(model, drafter, block_size, page_size),
+                     "drafter forward")
+    if draft is None and kernels:
+        draft = DraftForward.eager(model, drafter, block_size, page_size)
+    return decode, draft
 
 
 def _try(build: Callable, what: str):

@@ -6,9 +6,10 @@ drafter's target layers and materialises the drafter's context K/V for the fed p
 the drafter's layers of the same paged pool (same page ids and slots as the target KV), so a
 prefix-cache hit restores the drafter's warm state along with the target's.
 
-With a compiled forward (engine.compiled), every decode row and verify block runs through it; a
-forward that mixes them with prefill chunks runs as two, so a sequence's rows never depend on
-what else was scheduled with them.
+With a decode/verify forward (engine.forward: compiled ahead of time, or eager on the CPU
+kernels), every decode row and verify block runs through it; a forward that mixes them with
+prefill chunks runs as two, so a sequence's rows never depend on what else was scheduled with
+them.
 
 With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V, and every
 forward also carries its sequences' linear-attention states: their `StatePool` rows are gathered
@@ -26,7 +27,7 @@ import torch
 from agentflash.kernels.reference import INVARIANT_MAX_QUERIES
 
 from .attention import PagedAttention, PagedDraftAttention
-from .compiled import CompiledDraft, CompiledForward, step_args
+from .forward import DecodeForward, DraftForward, step_args
 from .kv.manager import KVManager
 from .kv.pool import KVPool
 from .kv.state_pool import StatePool
@@ -56,7 +57,7 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM | HybridCausalLM, pool: KVPool, kv: KVManager,
         drafter: DFlashDraftModel | None = None, draft_layers: range | None = None,
-        compiled: CompiledForward | None = None, compiled_draft: CompiledDraft | None = None,
+        decode: DecodeForward | None = None, draft_forward: DraftForward | None = None,
         states: StatePool | None = None,
     ):
         if isinstance(model, HybridCausalLM) != (states is not None):
@@ -64,8 +65,8 @@ class ModelRunner:
         self.model = model
         self.states = states
         self._rollbacks: dict[int, _Rollback] = {}  # by sequence id: this step's verify blocks
-        self.compiled = compiled
-        self.compiled_draft = compiled_draft
+        self.decode = decode
+        self.draft_forward = draft_forward
         self.pool = pool
         self.kv = kv
         self.drafter = drafter
@@ -78,7 +79,7 @@ class ModelRunner:
     def forward(self, items: list[BatchItem]) -> RunnerOutput:
         """One target forward over all items (prefill chunks, decode tokens, verify blocks)."""
         self._rollbacks.clear()  # a step's verify blocks are settled before the next forward
-        if self.compiled is None:
+        if self.decode is None:
             return self._forward(items, False)
         small = [i for i, item in enumerate(items) if item.num_tokens <= INVARIANT_MAX_QUERIES]
         if len(small) == len(items):
@@ -96,7 +97,8 @@ class ModelRunner:
             offset += part.logits.shape[0]
         return RunnerOutput(torch.cat([p.logits for p in parts]), rows)
 
-    def _forward(self, items: list[BatchItem], compiled: bool) -> RunnerOutput:
+    def _forward(self, items: list[BatchItem], small: bool) -> RunnerOutput:
+        """One forward: through the decode/verify forward when `small`, else the eager model."""
         ids: list[int] = []
         positions: list[int] = []
         page_tables, ctx_lens, num_new = [], [], []
@@ -115,15 +117,14 @@ class ModelRunner:
             num_new.append(n)
         meta = (self.pool.k[: self.num_layers], self.pool.v[: self.num_layers], page_tables,
                 ctx_lens, num_new, self.kv.page_size, self.model.attention_scale)
-        attn = (self.compiled.attention(*meta) if compiled and self.compiled is not None
+        attn = (self.decode.attention(*meta) if small and self.decode is not None
                 else PagedAttention.build(*meta))
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        if compiled:  # with a drafter, the program stores its context K/V too
-            assert self.compiled is not None
-            hidden = self.compiled(step_args(input_ids, pos, attn), attn.k_caches,
-                                   attn.v_caches, self._draft_caches(self.pool.k),
-                                   self._draft_caches(self.pool.v))
+        if small:  # with a drafter, the forward stores its context K/V too
+            assert self.decode is not None
+            hidden = self.decode(step_args(input_ids, pos, attn), attn.k_caches, attn.v_caches,
+                                 self._draft_caches(self.pool.k), self._draft_caches(self.pool.v))
         elif self.states is not None:
             hidden = self._forward_hybrid(items, input_ids, pos, attn)
         else:
@@ -206,8 +207,8 @@ class ModelRunner:
                 ctx_lens, block_size, self.kv.page_size, self.drafter)
         block_ids = torch.tensor(ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        if self.compiled_draft is not None:
-            hidden = self.compiled_draft(block_ids, pos, self.compiled_draft.attention(*meta))
+        if self.draft_forward is not None:
+            hidden = self.draft_forward(block_ids, pos, self.draft_forward.attention(*meta))
         else:
             attn = PagedDraftAttention.build(*meta)
             hidden = self.drafter(self.drafter.embed_block(self.model, block_ids), pos, attn)

@@ -1,22 +1,26 @@
-"""agentflash's CPU kernels for decode rows and verify blocks, on CPUs with AVX512-BF16
-(kernels/cpu/*.cpp, ops in the `torch.ops.agentflash` namespace):
+"""agentflash's CPU kernels for decode rows and verify blocks (kernels/cpu/*.cpp, ops in the
+`torch.ops.agentflash` namespace), for bfloat16 weights and activations:
 
 - `linear(x, weight, bias, residual)`: y = x W^T + b (+ residual) in bfloat16 for few rows
-  (linear_bf16.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in its
-  plain layout.
+  (linear.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in its plain
+  layout.
 - `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
   each query over its sequence's keys in the paged pool, read in place through its page table
-  (attention_bf16.cpp): no gathered copy of the context, no batched-matmul calls.
+  (attention.cpp): no gathered copy of the context, no batched-matmul calls.
 
-Both compute every output row the same way whatever else shares the call, so a verify block's
-rows are bitwise the decode steps' rows (what greedy speculative decoding needs to equal plain
-decoding). The library is built from source with torch's C++ extension loader the first time a
-process needs it (~20 s on 2 cores; needs a C++ compiler), cached under $AGENTFLASH_CACHE_DIR
-(else ~/.cache/agentflash) by the sources' digest, and loaded in milliseconds afterwards.
-`available()` says whether the ops run here; where they do not (no AVX512-BF16, no compiler,
-$AGENTFLASH_CPU_KERNELS=0) callers keep the torch path. The ops are traceable (fake
-implementations give their shapes), so `torch.export` keeps each as one node and AOTInductor calls
-it from a compiled program (engine.compiled).
+Each has one implementation per instruction set (`ISAS`, the first the CPU has is built):
+AVX512-BF16 (`vdpbf16ps` on bfloat16 pairs) and AVX2 + FMA (bfloat16 widened to float32 in
+registers: CPUs without native bf16, where torch's bf16 matmul is emulated and slow). Both
+compute every output row the same way whatever else shares the call, so a verify block's rows
+are bitwise the decode steps' rows (what greedy speculative decoding needs to equal plain
+decoding); the two sets' numbers differ from each other in the last bits. The library is built
+from source with torch's C++ extension loader the first time a process needs it (~20 s on 2
+cores; needs a C++ compiler), cached under $AGENTFLASH_CACHE_DIR (else ~/.cache/agentflash) by
+the sources' digest, and loaded in milliseconds afterwards. `available()` says whether the ops
+run here; where they do not (no AVX2, no compiler, $AGENTFLASH_CPU_KERNELS=0) callers keep the
+torch path. $AGENTFLASH_CPU_ISA=avx2 builds the AVX2 set on a CPU that has both (to test it).
+The ops are traceable (fake implementations give their shapes), so `torch.export` keeps each as
+one node and AOTInductor calls it from a compiled program (engine.compiled).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import hashlib
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,10 +38,28 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).with_name("cpu")
-SOURCES = (_DIR / "linear_bf16.cpp", _DIR / "attention_bf16.cpp")
-HEADERS = (_DIR / "simd.h",)
-FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-         "-mavx512bf16", "-mfma", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+COMMON = ("linear.cpp", "attention.cpp")
+HEADERS = ("kernels.h", "simd_avx512.h", "simd_avx2.h")
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One instruction set the kernels are written for."""
+
+    name: str
+    cpu_flags: tuple[str, ...]   # what /proc/cpuinfo must list
+    sources: tuple[str, ...]     # its implementation files (beside COMMON)
+    flags: tuple[str, ...]       # compiler flags (CPU_CAPABILITY picks ATen's vector headers)
+
+
+ISAS = (  # in order of preference
+    Isa("avx512-bf16", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"),
+        ("linear_avx512.cpp", "attention_avx512.cpp"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+         "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")),
+    Isa("avx2", ("avx2", "fma"), ("linear_avx2.cpp", "attention_avx2.cpp"),
+        ("-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")),
+)
 
 
 def cache_root() -> Path:
@@ -48,12 +71,43 @@ def cache_root() -> Path:
     return Path(root)
 
 
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def isas_here() -> list[str]:
+    """The names of `ISAS` this CPU has, in order of preference."""
+    flags = _cpu_flags()
+    return [candidate.name for candidate in ISAS if set(candidate.cpu_flags) <= flags]
+
+
+@functools.cache
+def isa() -> Isa | None:
+    """The instruction set the kernels are built for here: the first of `ISAS` the CPU has
+    ($AGENTFLASH_CPU_ISA names one to take instead, if the CPU has it), or None."""
+    wanted = os.environ.get("AGENTFLASH_CPU_ISA")
+    here = isas_here()
+    for candidate in ISAS:
+        if (wanted is None or candidate.name == wanted) and candidate.name in here:
+            return candidate
+    return None
+
+
 @functools.cache
 def source_digest() -> str:
-    """The library's identity: its sources and build flags (part of compiled programs' keys)."""
-    h = hashlib.blake2b(repr(FLAGS).encode(), digest_size=8)
-    for path in SOURCES + HEADERS:
-        h.update(path.read_bytes())
+    """The library's identity: its instruction set, sources and build flags (part of compiled
+    programs' keys)."""
+    chosen = isa()
+    h = hashlib.blake2b(repr(chosen).encode(), digest_size=8)
+    for name in COMMON + HEADERS + (chosen.sources if chosen else ()):
+        h.update((_DIR / name).read_bytes())
     return h.hexdigest()
 
 
@@ -63,22 +117,17 @@ def enabled() -> bool:
                                                                          "off")
 
 
-def cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-    except OSError:
-        return False
-
-
 @functools.cache
 def load() -> str | None:
     """Build (the first time on a machine) and load the library. None when the ops are
     ready, else why they are not."""
     if not enabled():
         return "turned off by AGENTFLASH_CPU_KERNELS=0"
-    if not cpu_has_avx512_bf16():
-        return "this CPU has no AVX512-BF16"
+    chosen = isa()
+    if chosen is None:
+        wanted = os.environ.get("AGENTFLASH_CPU_ISA")
+        return (f"this CPU lacks {wanted} (AGENTFLASH_CPU_ISA)" if wanted
+                else "this CPU has neither AVX512-BF16 nor AVX2 with FMA")
     try:
         from torch.utils import cpp_extension
 
@@ -86,10 +135,11 @@ def load() -> str | None:
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        name = f"agentflash_cpu_{source_digest()}"
+        name = f"agentflash_cpu_{chosen.name.replace('-', '_')}_{source_digest()}"
         build = cache_root() / "kernels" / name
         build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
+        cpp_extension.load(name=name, sources=[str(_DIR / p) for p in COMMON + chosen.sources],
+                           extra_cflags=["-O3", "-fopenmp", *chosen.flags],
                            extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a failed build
@@ -104,8 +154,13 @@ def available() -> bool:
     exporting or loading a program that uses them."""
     why = load()
     if why is not None:
-        log.info("agentflash's AVX512-BF16 CPU kernels are not used: %s", why)
+        log.info("agentflash's CPU kernels are not used: %s", why)
     return why is None
+
+
+def attends(head_dim: int) -> bool:
+    """Whether `paged_attention` takes heads of this size (a multiple of 32 up to 256)."""
+    return head_dim % 32 == 0 and 0 < head_dim <= 256
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -11,10 +11,12 @@ import torch
 
 from agentflash.embedded import embedded_model_dir, model_drafter_dir
 from agentflash.engine.attention import PagedAttention, PagedDraftAttention
-from agentflash.engine.compiled import CompiledDraft, CompiledForward, cache_key, step_args
+from agentflash.engine.compiled import CompiledDraft, CompiledForward, cache_key
+from agentflash.engine.forward import DecodeForward, step_args
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
+from agentflash.engine.models.packed import packing_available
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 
@@ -51,14 +53,19 @@ def _forward(run, model, tokens, ctx_lens, num_new, k, v):
     return run(step_args(ids, pos, attn), k, v)
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "onednn"])
-def test_rows_do_not_depend_on_the_forward_and_kv_is_stored_in_place(model, kernels):
-    """With agentflash's CPU kernels (where they run) and with oneDNN and the torch attention
-    (where they do not: no AVX512-BF16, no compiler, AGENTFLASH_CPU_KERNELS=0)."""
+@pytest.mark.parametrize("kernels,compiled", [(True, True), (False, True), (True, False)],
+                         ids=["cpu-kernels", "onednn", "eager-cpu-kernels"])
+def test_rows_do_not_depend_on_the_forward_and_kv_is_stored_in_place(model, kernels, compiled):
+    """Compiled with agentflash's CPU kernels (where they run) and with oneDNN and the torch
+    attention (where they do not: no AVX2, no compiler, AGENTFLASH_CPU_KERNELS=0); and the same
+    forward eager on the kernels (where no program is made: compile off, large models)."""
     if kernels and not cpu_ops.available():
         pytest.skip(f"CPU kernels unavailable: {cpu_ops.load()}")
-    run = CompiledForward.build(model, page_size=PAGE, kernels=kernels)
-    assert run.program.kernels == kernels
+    if compiled:
+        run = CompiledForward.build(model, page_size=PAGE, kernels=kernels)
+        assert run.program.kernels == kernels
+    else:
+        run = DecodeForward.eager(model, page_size=PAGE)
     tokens = [(31 * i + 7) % model.config.vocab_size for i in range(16)]
     k, v = _caches(model, 128)
     block = _forward(run, model, tokens, [1000], [16], k, v)
@@ -75,7 +82,8 @@ def test_rows_do_not_depend_on_the_forward_and_kv_is_stored_in_place(model, kern
     batch = _forward(run, model, tokens + [5, 9, 9, 9], [1000, 300, 610], [16, 1, 3], k, v)
     assert torch.equal(batch[:16], block)
 
-    # the compiled numbers are the eager model's to bfloat16 rounding (Inductor fuses casts)
+    # the forward's numbers are the eager model's to bfloat16 rounding (Inductor fuses casts,
+    # the kernels sum in their own order)
     k, v = _caches(model, 128)
     eager = _forward(None, model, tokens, [1000], [16], k, v)
     cos = torch.nn.functional.cosine_similarity(eager.float(), block.float(), dim=-1)
@@ -155,7 +163,9 @@ def test_a_failed_compile_runs_eager_with_a_warning(monkeypatch, tmp_path, caplo
     with caplog.at_level(logging.WARNING, logger="agentflash.engine.fastpath"):
         engine = Engine(load_model(embedded_model_dir(), dtype=torch.bfloat16), compile=True)
     assert "aoti-compiled-step" not in engine.fast_paths
-    assert engine.runner.compiled is None
+    # decode rows run eager: on the CPU kernels where they run, else through the model
+    eager = engine.runner.decode
+    assert eager.kind == "eager" if cpu_ops.available() else eager is None
     assert "compiled decode step is unavailable" in caplog.text
     assert "C++ compiler" in caplog.text
     (done,) = engine.generate([prompt], params)
@@ -171,9 +181,10 @@ def test_without_the_cpu_kernels_the_engine_keeps_onednn(monkeypatch):
     model = load_model(embedded_model_dir(), dtype=torch.bfloat16)
     engine = Engine(model, compile=True)
     assert "aoti-compiled-step" in engine.fast_paths
-    assert "avx512-bf16-linears" not in engine.fast_paths
-    assert not engine.runner.compiled.program.kernels
-    assert type(model.lm_head).__name__ == "PackedLinear"
+    assert "cpu-kernels" not in engine.fast_paths
+    assert engine.runner.decode.kind == "compiled" and not engine.runner.decode.kernels
+    if packing_available():
+        assert type(model.lm_head).__name__ == "PackedLinear"
     prompt = [(7 * i + 3) % 4000 for i in range(300)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = engine.generate([prompt], params)[0].output_ids

@@ -1,10 +1,15 @@
-"""agentflash's AVX512-BF16 CPU kernels (kernels.cpu_ops): close to a float32 reference, and each
-row bitwise independent of what else is in the call (what makes a verify block's rows the decode
-steps' rows). Their use in the compiled step: tests/test_compiled.py, tests/test_embedded.py."""
+"""agentflash's CPU kernels (kernels.cpu_ops, built for AVX512-BF16 or AVX2): close to a float32
+reference, and each row bitwise independent of what else is in the call (what makes a verify
+block's rows the decode steps' rows). Their use in the compiled step: tests/test_compiled.py,
+tests/test_embedded.py. On a CPU with AVX512-BF16 the AVX2 build runs this file too (in a process
+that asks for it)."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,6 +59,20 @@ def test_kernel_linears_share_the_weights_and_leave_the_model_as_it_was():
     x = _bf16(3, 64, seed=3)
     cos = torch.nn.functional.cosine_similarity(fast(x).float(), model(x).float(), dim=-1)
     assert cos.min() > 0.999
+
+
+@pytest.mark.skipif(cpu_ops.isa() is None or cpu_ops.isa().name == "avx2"
+                    or "avx2" not in cpu_ops.isas_here(),
+                    reason="the AVX2 build is this machine's own, or it cannot run here")
+def test_the_avx2_build_on_a_cpu_that_has_a_better_one():
+    """Most laptops and older servers have AVX2 but not AVX512-BF16: their build is tested
+    wherever it runs, not only where it is the one chosen."""
+    env = {**os.environ, "AGENTFLASH_CPU_ISA": "avx2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          __file__, "-k", "not better_one"], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
 
 
 def _reference_attention(q, k_cache, v_cache, table, page, seq, keys, scale):

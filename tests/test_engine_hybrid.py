@@ -22,8 +22,10 @@ from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.gated_deltanet import RecurrentStates, replay
 from agentflash.engine.models.loader import load_model
+from agentflash.engine.models.packed import packing_available
 from agentflash.engine.models.qwen3_5 import HybridCausalLM
 from agentflash.engine.sampler import SamplingParams, target_probs
+from agentflash.kernels import cpu_ops
 from test_qwen3_5 import TEXT, make_hf, save_conditional
 from test_spec import chi_square_pvalue
 
@@ -404,8 +406,14 @@ def test_dflash_sampling_on_a_hybrid_target_keeps_its_distribution(
 
 
 def test_hybrid_models_skip_the_fast_path(hybrid: tuple[Path, Any]) -> None:
+    """No compiled or kernel decode forward for hybrid models; on a CPU without native bf16
+    matmuls (where the kernels run) their linears take the CPU kernel, else they stay as
+    loaded."""
     model = load_model(hybrid[0], dtype=torch.bfloat16)
-    assert Engine(model, cache=CACHE).fast_paths == []
+    engine = Engine(model, cache=CACHE)
+    assert engine.runner.decode is None
+    kernels = not packing_available() and cpu_ops.available()
+    assert engine.fast_paths == (["cpu-kernel-linears"] if kernels else [])
     with pytest.raises(ValueError, match="hybrid"):
         Engine(model, cache=CACHE, quantize="int4")
 

@@ -1,10 +1,17 @@
-"""Linear layers through agentflash's AVX512-BF16 kernel (kernels.cpu_ops.linear).
+"""Linear layers through agentflash's CPU kernel (kernels.cpu_ops.linear).
 
 `KernelLinear` computes `nn.Linear`'s forward through the kernel, on the same weight and bias
 tensors (no copy, no packed layout). `with_kernel_linears` gives a copy of a model that shares
 every parameter and has each linear computed that way: what engine.compiled traces its
 programs from, so the decode and verify rows of a compiled step read the checkpoint's weights
-through the kernel while the eager model (prefill) keeps oneDNN.
+through the kernel while the eager model (prefill) keeps its own linears.
+
+`swap_linears` puts `KernelLinear`s in a finished model in place: on CPUs without native bf16
+matmuls (AVX2), where torch emulates them at a fraction of its float32 speed, every bfloat16
+linear of the eager model runs the kernel, prefill included. Its rows do not depend on the
+call at any row count, and greedy speculative output equals plain output only if prefill rows
+do not either (a speculative run cuts its prompts into other prefill chunks than a plain one:
+float32 matmuls on the widened weight were measured to part them).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from agentflash.kernels import cpu_ops
 
 
 class KernelLinear(nn.Module):
-    """y = x W^T + b through the AVX512-BF16 kernel (bfloat16, CPU)."""
+    """y = x W^T + b through the CPU kernel (bfloat16, CPU)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -30,7 +37,7 @@ class KernelLinear(nn.Module):
         return cpu_ops.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, avx512-bf16"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel"
 
 
 def with_kernel_linears(module: nn.Module) -> nn.Module:
@@ -42,3 +49,16 @@ def with_kernel_linears(module: nn.Module) -> nn.Module:
     clone._modules = {name: None if child is None else with_kernel_linears(child)
                       for name, child in module._modules.items()}
     return clone
+
+
+def swap_linears(module: nn.Module) -> int:
+    """Replace every bfloat16 `nn.Linear` below `module` by a `KernelLinear` on the same
+    tensors, in place. Returns how many were replaced."""
+    count = 0
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
+            setattr(module, name, KernelLinear(child.weight, child.bias))
+            count += 1
+        else:
+            count += swap_linears(child)
+    return count

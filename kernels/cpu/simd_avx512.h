@@ -1,4 +1,5 @@
-// AVX512 helpers shared by agentflash's CPU kernels (linear_bf16.cpp, attention_bf16.cpp).
+// AVX512 helpers shared by agentflash's AVX512-BF16 kernels (linear_avx512.cpp,
+// attention_avx512.cpp).
 #pragma once
 
 #include <immintrin.h>

@@ -1,0 +1,219 @@
+"""The forward of a step's decode rows and verify blocks, and the DFlash drafter's block
+forward: the modules engine.compiled exports, and how a step runs them.
+
+A decode/verify forward serves every decode row and verify block of a step (the runner sends
+prefill chunks to the eager model in a forward of their own), so a row's numbers never depend on
+what else shares its forward: a verify block's rows are bitwise the plain decode steps' rows,
+which greedy speculative decoding needs to equal plain decoding. `DecodeForward` runs
+`TargetStep` and `DraftForward` runs `DraftStep`, eager on agentflash's CPU kernels
+(kernels.cpu_ops: linears and attention whose rows are independent of the call by
+construction); engine.compiled's `CompiledForward` and `CompiledDraft` run the same modules
+compiled ahead of time instead (faster: fused elementwise kernels, no Python per op). The eager
+runners are what an engine on a CPU with the kernels uses where no program is made: compiling
+turned off, or a model over the compile bound (its package would copy the weights).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from agentflash.kernels import reference
+
+from .attention import KernelAttention, KernelDraftAttention, PagedAttention, PagedDraftAttention
+from .models.dflash import DFlashDraftModel
+from .models.kernel_linear import KernelLinear, with_kernel_linears
+from .models.qwen3 import CausalLM
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """The tensors of one decode/verify forward (built by `step_args` from its metadata)."""
+
+    ids: torch.Tensor            # [T]
+    positions: torch.Tensor      # [T]
+    slot_mapping: torch.Tensor   # [T] where each new token's K/V goes
+    attention: tuple[torch.Tensor, ...]
+    """With the CPU kernels, KernelAttention's (page_table [B, P], token_seq [T], token_keys
+    [T]); else the torch path's (q_index [B, Q]: token row per (sequence, query), T padding;
+    out_index [T]: row of the [B*Q] output holding each token; the ChunkPlan's kv_index
+    [B, Hkv, n, C] and visible [B, n, Q, C])."""
+
+
+def step_args(ids: torch.Tensor, positions: torch.Tensor,
+              attn: PagedAttention | KernelAttention) -> StepArgs:
+    """The forward's inputs for a forward whose metadata is `attn`: a KernelAttention, or a
+    PagedAttention built with `one_group=True` on CPU in bfloat16 (so with a ChunkPlan)."""
+    if isinstance(attn, KernelAttention):
+        return StepArgs(ids, positions, attn.slot_mapping,
+                        (attn.page_table, attn.token_seq, attn.token_keys))
+    (group,) = attn.groups
+    assert group.plan is not None
+    out_index = group.out_index
+    if out_index is None:
+        out_index = torch.arange(ids.shape[0], device=ids.device)
+    return StepArgs(ids, positions, attn.slot_mapping,
+                    (group.q_index, out_index, group.plan.kv_index, group.plan.visible))
+
+
+def draft_metadata(attn: KernelDraftAttention | PagedDraftAttention) -> tuple[torch.Tensor, ...]:
+    """The drafter forward's attention tensors, in `DraftStep.forward`'s order."""
+    if isinstance(attn, KernelDraftAttention):
+        return (attn.page_table, attn.token_seq, attn.token_keys, attn.causal_keys,
+                attn.ctx_lens)
+    return (attn.gather, attn.ctx_lens)
+
+
+def kernel_view(module: nn.Module) -> nn.Module:
+    """`module` with its linears through the kernel (a copy sharing the weights); a drafter's
+    context K/V rows too (the K and V rows of each layer's fused qkv_proj, as a linear)."""
+    out = with_kernel_linears(module)
+    if isinstance(module, DFlashDraftModel):
+        out.context_kv_proj = nn.ModuleList(
+            KernelLinear(*module.context_kv_rows(i)) for i in range(len(module.layers)))
+    return out
+
+
+def without_head(model: CausalLM) -> CausalLM:
+    """The model sharing every module but its head: the forward ends at the final norm, and a
+    packed head (engine.fastpath, an earlier engine on the same model) cannot be traced."""
+    trunk = copy.copy(model)
+    trunk._modules = {**model._modules, "lm_head": None}
+    return trunk
+
+
+class TargetStep(nn.Module):
+    """The target's decode/verify forward over one group of paged attention, then, with a
+    drafter, the drafter's context K/V of the fed positions stored into its caches (the runner's
+    `_store_draft_context`, folded in). kernels: linears and attention through the CPU kernels,
+    else the model's own linears and the torch attention's row-invariant path."""
+
+    def __init__(self, model: CausalLM, drafter: DFlashDraftModel | None,
+                 kernels: bool, page_size: int) -> None:
+        super().__init__()
+        self.model = without_head(model)
+        self.kernels = kernels
+        self.page_size = page_size
+        if kernels:
+            self.model = kernel_view(self.model)
+            drafter = None if drafter is None else kernel_view(drafter)
+        self.drafter = drafter
+        self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+
+    def forward(self, ids, positions, slot_mapping, attention, k_caches, v_caches,
+                draft_k_caches, draft_v_caches):
+        scale = self.model.attention_scale
+        if self.kernels:
+            attn = KernelAttention(k_caches, v_caches, slot_mapping, *attention, self.page_size,
+                                   scale)
+        else:
+            q_index, out_index, kv_index, visible = attention
+            attn = PagedAttention.from_plan(k_caches, v_caches, slot_mapping, q_index, out_index,
+                                            reference.ChunkPlan(kv_index, visible), scale)
+        out = self.model(ids, positions, attn, self.capture)
+        if self.drafter is not None:
+            ctx = self.drafter.context_features(out.captured)
+            for i, (k, v) in enumerate(zip(draft_k_caches, draft_v_caches)):
+                self.drafter.store_context_kv(i, ctx, positions, slot_mapping, k, v)
+        return out.hidden
+
+
+class DraftStep(nn.Module):
+    """The drafter's forward: N blocks of B tokens embedded, through its layers over each
+    sequence's cached context K/V, to the final norm (the head stays eager). With the CPU
+    kernels (and no windowed layer) the attention reads the context in place
+    (KernelDraftAttention), else through the torch path (PagedDraftAttention)."""
+
+    def __init__(self, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
+                 kernels: bool, page_size: int) -> None:
+        super().__init__()
+        self.embed = model.embed_tokens
+        self.drafter = kernel_view(drafter) if kernels else drafter
+        self.block_size = block_size
+        self.page_size = page_size
+        self.kernel_attention = kernels and KernelDraftAttention.supports(drafter)
+
+    def forward(self, ids, positions, attention, k_caches, v_caches):
+        d = self.drafter
+        if self.kernel_attention:
+            attn = KernelDraftAttention(
+                k_caches, v_caches, *attention, self.page_size, d.attention_scale,
+                [d.layer_kind(i).causal for i in range(len(d.layers))])
+        else:
+            gather, ctx_lens = attention
+            attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
+                                       d.attention_scale,
+                                       [d.layer_kind(i) for i in range(len(d.layers))])
+        h = self.embed(ids)
+        scale = d.config.input_embedding_scale
+        return d(h if scale == 1.0 else h * scale, positions, attn)
+
+
+class DecodeForward:
+    """A step's decode/verify forward: call it with `StepArgs`, the target's per-layer caches
+    and the drafter's (with a drafter, whose context K/V it stores); returns the hidden states
+    [T, H] after the final norm. This one runs `TargetStep` eager on the CPU kernels."""
+
+    kind = "eager"
+
+    def __init__(self, kernels: bool, step: TargetStep | None = None) -> None:
+        self.kernels = kernels     # linears and attention through agentflash's CPU kernels
+        self.step = step
+
+    @classmethod
+    def eager(cls, model: CausalLM, drafter: DFlashDraftModel | None = None,
+              page_size: int = 16) -> DecodeForward:
+        return cls(True, TargetStep(model, drafter, True, page_size))
+
+    def attention(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                  page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int],
+                  num_new: Sequence[int], page_size: int,
+                  scale: float) -> KernelAttention | PagedAttention:
+        """A forward's attention metadata in the form this forward takes (`step_args`)."""
+        if self.kernels:
+            return KernelAttention.build(k_caches, v_caches, page_tables, ctx_lens, num_new,
+                                         page_size, scale)
+        return PagedAttention.build(k_caches, v_caches, page_tables, ctx_lens, num_new,
+                                    page_size, scale, one_group=True)
+
+    def __call__(self, args: StepArgs, k_caches: Sequence[torch.Tensor],
+                 v_caches: Sequence[torch.Tensor], draft_k_caches: Sequence[torch.Tensor] = (),
+                 draft_v_caches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        assert self.step is not None
+        return self.step(args.ids, args.positions, args.slot_mapping, args.attention, k_caches,
+                         v_caches, draft_k_caches, draft_v_caches)
+
+
+class DraftForward:
+    """The drafter's forward for one block size: call it with the blocks' token ids [N*B],
+    positions [N*B] and the attention metadata of `attention`; returns hidden states [N*B, H]
+    after its final norm. This one runs `DraftStep` eager on the CPU kernels."""
+
+    kind = "eager"
+
+    def __init__(self, kernel_attention: bool, step: DraftStep | None = None) -> None:
+        self.kernel_attention = kernel_attention  # KernelDraftAttention, else the torch path
+        self.step = step
+
+    @classmethod
+    def eager(cls, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
+              page_size: int = 16) -> DraftForward:
+        step = DraftStep(model, drafter, block_size, True, page_size)
+        return cls(step.kernel_attention, step)
+
+    def attention(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                  page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int],
+                  block_size: int, page_size: int,
+                  drafter: DFlashDraftModel) -> KernelDraftAttention | PagedDraftAttention:
+        """A draft forward's attention metadata in the form this forward takes."""
+        build = KernelDraftAttention.build if self.kernel_attention else PagedDraftAttention.build
+        return build(k_caches, v_caches, page_tables, ctx_lens, block_size, page_size, drafter)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
+                 attn: KernelDraftAttention | PagedDraftAttention) -> torch.Tensor:
+        assert self.step is not None
+        return self.step(ids, positions, draft_metadata(attn), attn.k_caches, attn.v_caches)

@@ -1,0 +1,146 @@
+// What agentflash's CPU ops (linear.cpp, attention.cpp: argument checks, work split over
+// threads) call into: one implementation per instruction set, linked into that set's library
+// (kernels/cpu_ops.py builds linear_<isa>.cpp and attention_<isa>.cpp with the shared files).
+//
+// Both compute every output by an instruction sequence that depends only on its own inputs
+// (its x row and W row; its query and keys), never on what else is in the call, the tile it is
+// computed in or the thread that computes it: a verify block's rows are bitwise the decode
+// steps' rows, which greedy speculative decoding needs to equal plain decoding.
+#pragma once
+
+#include <xmmintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace agentflash_cpu {
+
+// y[m, n] = x[m, :] . W[n, :] (+ bias[n]) (+ residual[m, n]), rounded once to bfloat16.
+struct LinearArgs {
+  const uint16_t* x;         // [M, K] bfloat16, rows ldx apart
+  int64_t ldx;
+  const uint16_t* w;         // [N, K] bfloat16, rows ldw apart
+  int64_t ldw;
+  const float* bias;         // [N] float32 or nullptr
+  const uint16_t* residual;  // [M, N] bfloat16 (rows ldy apart) or nullptr
+  uint16_t* y;               // [M, N] bfloat16, rows ldy apart
+  int64_t ldy;
+  int64_t M;
+  int64_t K;
+  int64_t N;
+};
+
+// Every row of y for W's rows [n0, n1).
+void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1);
+
+// Where one (run of queries, KV head)'s keys live: the pool through its sequence's page table,
+// and from key `cached` on (when `kn` is set) the run's own new rows (a drafter block's K/V).
+struct KvSource {
+  const uint16_t* kp;   // the caches [S, Hkv, D]
+  const uint16_t* vp;
+  const int64_t* pages;
+  int64_t page_size;
+  int64_t slot_stride;  // elements between slots of the caches (and rows of k_new): Hkv * D
+  int64_t cached;       // keys in the pool
+  const uint16_t* kn;   // the run's first new row at this KV head, or nullptr
+  const uint16_t* vn;
+};
+
+// A run of consecutive queries t0 .. t1 - 1 of one sequence, at KV head g: query t's heads
+// g * G .. g * G + G - 1 (of Hq) each see the first keys[t] keys of `src`.
+struct QueryRun {
+  const uint16_t* q;    // [T, Hq, D]
+  const int64_t* keys;  // [T]
+  int64_t t0;
+  int64_t t1;
+  int64_t g;
+  int64_t G;
+  int64_t Hq;
+  float scale;
+  uint16_t* out;        // [T, Hq, D]
+
+  int64_t longest() const {  // the most keys any of the run's queries sees
+    int64_t most = 0;
+    for (int64_t t = t0; t < t1; ++t) most = std::max(most, keys[t]);
+    return most;
+  }
+};
+
+// The run's outputs at its KV head (head_dim: a multiple of 32 up to kMaxHeadDim).
+void attend_run(int64_t head_dim, const KvSource& src, const QueryRun& run);
+
+constexpr int64_t kMaxHeadDim = 256;
+
+// f(std::integral_constant<int, D>) for head_dim D (a multiple of 32 up to kMaxHeadDim): what
+// the implementations' attention is instantiated for.
+template <typename F>
+inline void with_head_dim(int64_t head_dim, F&& f) {
+  switch (head_dim) {
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 96: return f(std::integral_constant<int, 96>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    case 160: return f(std::integral_constant<int, 160>{});
+    case 192: return f(std::integral_constant<int, 192>{});
+    case 224: return f(std::integral_constant<int, 224>{});
+    default: return f(std::integral_constant<int, 256>{});
+  }
+}
+
+// The keys k0 .. k0 + n - 1 of `src` at KV head g: their K and V rows (one division per call).
+inline void key_rows(const KvSource& src, int64_t g, int64_t head_dim, int64_t k0, int n,
+                     const uint16_t** kr, const uint16_t** vr) {
+  int64_t page = k0 / src.page_size, offset = k0 % src.page_size;
+  for (int j = 0; j < n; ++j) {
+    const int64_t key = k0 + j;
+    if (src.kn != nullptr && key >= src.cached) {
+      kr[j] = src.kn + (key - src.cached) * src.slot_stride;
+      vr[j] = src.vn + (key - src.cached) * src.slot_stride;
+      continue;
+    }
+    const int64_t base =
+        (src.pages[page] * src.page_size + offset) * src.slot_stride + g * head_dim;
+    kr[j] = src.kp + base;
+    vr[j] = src.vp + base;
+    if (++offset == src.page_size) {
+      ++page;
+      offset = 0;
+    }
+  }
+}
+
+// A run's keys 0 .. longest - 1 at KV head g, chunk by chunk at fixed positions (0, Chunk,
+// 2 Chunk, ...): `advance(k0)` makes kr / vr the rows of the chunk from k0 and returns how many
+// there are, after asking the memory for the next chunk's rows (fetched while this one computes).
+template <int Chunk>
+struct KeyChunks {
+  const KvSource& src;
+  int64_t g, head_dim, longest;
+  const uint16_t* kr[Chunk];
+  const uint16_t* vr[Chunk];
+  const uint16_t* next_kr[Chunk];
+  const uint16_t* next_vr[Chunk];
+
+  KeyChunks(const KvSource& s, int64_t kv_head, int64_t dim, int64_t keys)
+      : src(s), g(kv_head), head_dim(dim), longest(keys) {
+    key_rows(src, g, head_dim, 0, static_cast<int>(std::min<int64_t>(Chunk, longest)), next_kr,
+             next_vr);
+  }
+
+  int advance(int64_t k0) {
+    const int n = static_cast<int>(std::min<int64_t>(Chunk, longest - k0));
+    std::copy(next_kr, next_kr + n, kr);
+    std::copy(next_vr, next_vr + n, vr);
+    const int next_n = static_cast<int>(std::clamp<int64_t>(longest - k0 - Chunk, 0, Chunk));
+    key_rows(src, g, head_dim, k0 + Chunk, next_n, next_kr, next_vr);
+    for (int j = 0; j < next_n; ++j)
+      for (int64_t c = 0; c < head_dim; c += 32) {  // a cache line of each row at a time
+        _mm_prefetch(reinterpret_cast<const char*>(next_kr[j] + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next_vr[j] + c), _MM_HINT_T0);
+      }
+    return n;
+  }
+};
+
+}  // namespace agentflash_cpu
