@@ -7,7 +7,8 @@ it renders the prompt token-faithfully: from the request's `History` (the Agent'
 else through agentflash.history (a resent history continues from the exact tokens of the replies
 this runtime produced). The returned `ChatTurn.events()` constrains tool calls and JSON output
 with the same grammars as everywhere (agentflash.structured), runs one generation and streams
-`TextChunk`s and `CallChunk`s, then a `ChatReply` with the assistant message, the finish
+`TextChunk`s, tool calls as they are written (`CallStart`, `CallArguments`) and whole
+(`CallChunk`), then a `ChatReply` with the assistant message, the finish
 reason, the usage and the `History` through the reply, and (for requests without a History)
 remembers the reply's tokens for the next resent turn. `complete()` is the
 raw-text counterpart. Cancelling the iterating task aborts the generation and frees its KV.
@@ -27,12 +28,13 @@ from .detokenizer import Detokenizer
 from .errors import ContextLengthError
 from .history import message_text
 from .remote import RemoteRuntime
-from .request import (CallChunk, ChatEvent, ChatReply, ChatRequest, History, TextChunk, Turn,
-                      reply_message)
+from .request import (CallArguments, CallChunk, CallStart, ChatEvent, ChatReply, ChatRequest,
+                      History, TextChunk, Turn, reply_message)
 from .runtime import Runtime
 from .step import ToolCall
 from .structured import OutputSpec
-from .toolcall_parser import CLOSE, MalformedToolCall, ParsedToolCall, TextDelta, ToolCallParser
+from .toolcall_parser import (CLOSE, ArgumentsDelta, CallOpened, MalformedToolCall,
+                              ParsedToolCall, TextDelta, ToolCallParser)
 from .usage import Usage
 
 def render_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,28 +120,37 @@ class ChatTurn:
         gen = rt.generate(self.prompt, self.params, pin=request.pin,
                           speculative=request.speculative, constraint=self.constraint,
                           reuse=request.reuse, prediction=prediction)
-        parser = ToolCallParser(rt.chat.call_format)
+        parser = ToolCallParser(rt.chat.call_format, stream_calls=True)
         detok = Detokenizer(rt.chat.decode, rt.eos_ids)
         trim = StopTrim(request.params.stop)
         output: list[int] = []
         calls: list[ToolCall] = []
         malformed: list[MalformedToolCall] = []
+        opened: CallStart | None = None  # the call being streamed, if it will be kept
 
         def events(text: str, final: bool = False) -> list[ChatEvent]:
+            nonlocal opened
             out: list[ChatEvent] = []
             parsed = parser.feed(trim.feed(text, final))
             if final:
                 parsed += parser.finish()
             for event in parsed:
+                keep = self.calls_allowed and (request.parallel_tool_calls or not calls)
                 if isinstance(event, TextDelta) and event.text:
                     out.append(TextChunk(event.text))
-                elif isinstance(event, ParsedToolCall) and self.calls_allowed and (
-                        request.parallel_tool_calls or not calls):
-                    calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", event.name,
-                                          event.arguments))
+                elif isinstance(event, CallOpened) and keep:
+                    opened = CallStart(len(calls), _call_id(), event.name)
+                    out.append(opened)
+                elif isinstance(event, ArgumentsDelta) and opened is not None:
+                    out.append(CallArguments(opened.index, event.text))
+                elif isinstance(event, ParsedToolCall) and keep:
+                    calls.append(ToolCall(opened.id if opened else _call_id(), event.name,
+                                          event.arguments, event.arguments_text))
                     out.append(CallChunk(len(calls) - 1, calls[-1]))
                 elif isinstance(event, MalformedToolCall):
                     malformed.append(event)
+                if isinstance(event, (ParsedToolCall, MalformedToolCall)):
+                    opened = None
             return out
 
         try:
@@ -170,6 +181,10 @@ class ChatTurn:
         yield ChatReply(text or None, calls, finish,
                         _usage(rt, done, len(self.prompt), output, t0), message, done.pin,
                         output, History(tuple(tokens), len(request.messages) + 1), malformed)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def chat(runtime: Runtime | RemoteRuntime, request: ChatRequest) -> Turn:

@@ -10,7 +10,6 @@ adapters share (`tool_choice_of`, `output_schema_of`) lives here too.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncGenerator, Protocol
 
@@ -127,6 +126,25 @@ class TextChunk:
 
 
 @dataclass(frozen=True)
+class CallStart:
+    """The reply has begun writing its `index`-th tool call (its `CallArguments` follow, then
+    the whole `CallChunk`; a call that starts but does not parse ends with no CallChunk)."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """The next piece of the `index`-th call's arguments, as JSON text: together they are the
+    call's `arguments_text()`."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
 class CallChunk:
     """A complete tool call, the `index`-th of the reply."""
 
@@ -148,7 +166,7 @@ class ChatReply:
     #                                                                   did not parse
 
 
-ChatEvent = TextChunk | CallChunk | ChatReply
+ChatEvent = TextChunk | CallStart | CallArguments | CallChunk | ChatReply
 
 
 def reply_message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
@@ -157,7 +175,7 @@ def reply_message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
     if calls:
         message["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {
-                "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                "name": c.name, "arguments": c.arguments_text()}}
             for c in calls]
     return message
 

@@ -6,6 +6,7 @@ Plain data, importing nothing of the agent loop, so that the loop (agent.py) and
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,15 @@ class ToolCall:
     id: str
     name: str
     arguments: dict[str, Any]
+    arguments_json: str | None = field(default=None, compare=False, repr=False)
+    """The arguments as the model wrote them (JSON text), where known."""
+
+    def arguments_text(self) -> str:
+        """The arguments as JSON text (OpenAI's `function.arguments`): as written, else
+        encoded."""
+        if self.arguments_json is not None:
+            return self.arguments_json
+        return json.dumps(self.arguments, ensure_ascii=False)
 
 
 @dataclass(frozen=True)

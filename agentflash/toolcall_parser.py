@@ -4,8 +4,11 @@ A reply arrives as text chunks of any size: speculative decoding commits several
 so a tag can be split across chunks, and one chunk can end one call and start the next.
 `ToolCallParser` turns that stream into events: visible text (`TextDelta`), tool calls
 (`ParsedToolCall`) and text in a tool-call position that is not a valid call (`MalformedToolCall`).
-The events do not depend on where the chunks were cut, except that visible text may come split
-over a different number of `TextDelta`s.
+With `stream_calls`, a hermes call being written as `{"name": ..., "arguments": {...}` (the form
+the constrained grammar writes) also streams: `CallOpened` once its name is known, then its
+arguments' JSON text as the model writes it in `ArgumentsDelta`s, before the call itself. The
+events do not depend on where the chunks were cut, except that visible text and arguments may
+come split over a different number of deltas.
 
 Formats are chosen by name from the `FORMATS` registry:
 - "hermes" (Qwen2.5/Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
@@ -42,6 +45,18 @@ class ParsedToolCall:
     arguments: dict[str, Any]
     raw: str
 
+    @property
+    def arguments_text(self) -> str:
+        """The arguments as JSON text: as the model wrote them where it wrote an object after
+        the name (what `ArgumentsDelta`s streamed), else `arguments` encoded."""
+        head = _CALL_HEAD.match(self.raw)
+        if head is not None and self.raw.startswith("{", head.end()):
+            scanner = _ObjectScanner()
+            end = head.end() + scanner.scan(self.raw[head.end():])
+            if scanner.done:
+                return self.raw[head.end():end]
+        return json.dumps(self.arguments, ensure_ascii=False)
+
 
 @dataclass(frozen=True)
 class MalformedToolCall:
@@ -51,7 +66,57 @@ class MalformedToolCall:
     reason: str
 
 
-Event = TextDelta | ParsedToolCall | MalformedToolCall
+@dataclass(frozen=True)
+class CallOpened:
+    """A call being written has this name; its `ArgumentsDelta`s follow."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    """The next piece of the JSON text of the arguments of the call last opened."""
+
+    text: str
+
+
+Event = TextDelta | ParsedToolCall | MalformedToolCall | CallOpened | ArgumentsDelta
+
+# A hermes call's opening up to its arguments' value, as the grammar writes it.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
+                        r'"(?:arguments|parameters)"\s*:\s*')
+
+
+class _ObjectScanner:
+    """Finds where a JSON object or array ends in text that arrives in pieces (the first piece
+    starting with it): brackets counted outside strings, escapes skipped."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+        self.done = False
+
+    def scan(self, text: str) -> int:
+        """How many characters of `text` (the continuation) belong to the value."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
 
 _INVALID = object()  # stands for "not valid JSON" in the decoding helpers
 _SEPARATORS = re.compile(r"[\s;]*")
@@ -118,15 +183,20 @@ def _hermes_call(body: str) -> ParsedToolCall | MalformedToolCall:
 class HermesFormat:
     """`<tool_call>` JSON `</tool_call>` spans inside visible text.
 
-    Visible text is emitted as soon as it cannot be the start of `<tool_call>`; a call is emitted
-    when its `</tool_call>` arrives.
+    Visible text is emitted as soon as it cannot be the start of `<tool_call>`; a call's name
+    and arguments as they are written (when the name comes first and the arguments are an
+    object), and the call itself when its `</tool_call>` arrives.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stream_calls: bool = False) -> None:
         # Outside a call: a held-back suffix that may begin `<tool_call>`.
         # Inside a call: everything after `<tool_call>` so far.
         self._buf = ""
         self._in_call = False
+        self._stream_calls = stream_calls
+        self._args_at: int | None = None   # where the streamed arguments start in _buf
+        self._sent = 0                     # characters of them streamed
+        self._scanner = _ObjectScanner()
 
     def feed(self, chunk: str) -> list[Event]:
         self._buf += chunk
@@ -134,6 +204,7 @@ class HermesFormat:
         while True:
             if self._in_call:
                 end = self._buf.find(CLOSE)
+                events += self._stream(len(self._buf) if end < 0 else end)
                 if end < 0:
                     return events
                 events.append(_hermes_call(self._buf[:end]))
@@ -151,15 +222,37 @@ class HermesFormat:
                     events.append(TextDelta(self._buf[:start]))
                 self._buf = self._buf[start + len(OPEN) :]
                 self._in_call = True
+                self._args_at, self._sent, self._scanner = None, 0, _ObjectScanner()
+
+    def _stream(self, limit: int) -> list[Event]:
+        """The call's opening and the new part of its arguments within _buf[:limit]."""
+        events: list[Event] = []
+        if not self._stream_calls:
+            return events
+        if self._args_at is None:
+            head = _CALL_HEAD.match(self._buf, 0, limit)
+            if head is None or head.end() == limit or self._buf[head.end()] != "{":
+                return events  # not (yet) a name followed by an object
+            self._args_at = head.end()
+            events.append(CallOpened(json.loads(head.group(1))))
+        if not self._scanner.done:
+            new = self._buf[self._args_at + self._sent : limit]
+            taken = self._scanner.scan(new)
+            if taken:
+                events.append(ArgumentsDelta(new[:taken]))
+                self._sent += taken
+        return events
 
     def finish(self) -> list[Event]:
         if not self._in_call:
             return [TextDelta(self._buf)] if self._buf else []
         # Unterminated call: drop a partial `</tool_call>` and parse what is there.
-        call = _hermes_call(self._buf[: len(self._buf) - _partial_tag_len(self._buf, CLOSE)])
+        body = self._buf[: len(self._buf) - _partial_tag_len(self._buf, CLOSE)]
+        events = self._stream(len(body))
+        call = _hermes_call(body)
         if isinstance(call, MalformedToolCall):
-            return [MalformedToolCall(call.raw, f"unterminated tool call ({call.reason})")]
-        return [call]
+            return events + [MalformedToolCall(call.raw, f"unterminated tool call ({call.reason})")]
+        return events + [call]
 
 
 class Llama3JsonFormat:
@@ -170,7 +263,8 @@ class Llama3JsonFormat:
     parsed at finish(): Llama 3 puts all of a turn's calls in one message that ends the turn.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stream_calls: bool = False) -> None:
+        # calls are parsed at the end of the message: nothing of them streams
         self._buf = ""
         self._kind: Literal["text", "calls"] | None = None  # None until the first chars decide
 
@@ -217,7 +311,7 @@ def _llama3_calls(message: str) -> list[Event]:
     return [_to_call(value, raw) for value, raw in found]
 
 
-FORMATS: dict[str, Callable[[], ToolCallFormat]] = {
+FORMATS: dict[str, Callable[[bool], ToolCallFormat]] = {  # (stream_calls) -> format
     "hermes": HermesFormat,
     "llama3_json": Llama3JsonFormat,
 }
@@ -237,12 +331,13 @@ class ToolCallParser:
     """Turns one streamed message into events, in the syntax named by a key of FORMATS.
 
     Feed chunks as they arrive, then call finish() once at the end of the message.
+    stream_calls: also `CallOpened` and `ArgumentsDelta` events where the format streams them.
     """
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, stream_calls: bool = False) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r}; known: {sorted(FORMATS)}")
-        self._format = FORMATS[fmt]()
+        self._format = FORMATS[fmt](stream_calls)
         self._text: list[str] = []
         self._calls: list[ParsedToolCall] = []
         self._finished = False

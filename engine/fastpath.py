@@ -19,12 +19,14 @@ serves every decode and verify row, so speculative output equals plain output wi
   AVX512-BF16 or AVX2): the programs compute their linears and attention with them, and the
   head becomes a `KernelLinear` on the checkpoint's matrix (engine.compiled).
 
-- `cpu-kernel-linears` (CPU, bfloat16, no native bf16 matmuls, where the CPU kernels run): every
-  linear layer of the eager models becomes a `KernelLinear` (engine.models.kernel_linear), so
-  prefill runs the kernel too, where torch's emulated bf16 matmul is ~5x slower than float32;
-  its rows do not depend on the prefill chunk they are in (float32 matmuls' do, which would
-  part speculative from plain output). Applied after compiling (the programs trace the plain
-  linears).
+- `widened-bf16-linears` (CPU, bfloat16, no native bf16 matmuls, where the CPU kernels run):
+  every linear layer of the eager models becomes a `WidenedLinear` (engine.models.kernel_linear):
+  the kernel for few rows, float32 on the widened weight for prefill chunks, where torch's
+  emulated bf16 matmul is ~5x slower than float32 (the runner gives each prefill chunk a forward
+  of its own, so a chunk's rows are the same in every run). Applied after compiling (the
+  programs trace the plain linears). Hybrid models, whose forwards carry prefill chunks and
+  verify blocks together, get `KernelLinear`s instead (`cpu-kernel-linears`: every row the
+  kernel's, whatever the call).
 
 - `aoti-compiled-step` (CPU, bfloat16, AOTInductor; on by default up to 2 GB of weights,
   `compile=False` or $AGENTFLASH_COMPILE=0 turn it off, `compile=True` forces it; applied
@@ -60,7 +62,7 @@ from . import compiled as compiled_step
 from .compiled import CompiledDraft, CompiledForward
 from .forward import DecodeForward, DraftForward
 from .models.dflash import DFlashDraftModel
-from .models.kernel_linear import KernelLinear, swap_linears
+from .models.kernel_linear import KernelLinear, WidenedLinear, swap_linears
 from .models.packed import PackedLinear, pack_linears, packing_available
 from .models.quantized import int4_available, quantize_linears_int4
 from .models.qwen3 import CausalLM
@@ -118,26 +120,27 @@ def _kernels_everywhere(model: CausalLM, quantize: str | None) -> bool:
     return _cpu_bf16(model) and not packing_available() and cpu_ops.available()
 
 
-def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> None:
+def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool,
+                    kind: type[KernelLinear] = WidenedLinear) -> None:
     """Every linear of the eager models, with a decode forward or not: prefill runs them (and
     the drafter's context projection with it)."""
     if model.lm_head is None:  # tied: the head reads the embedding's matrix
-        model.lm_head = KernelLinear(model.embed_tokens.weight, None)
-    swap_linears(model)
+        model.lm_head = kind(model.embed_tokens.weight, None)
+    swap_linears(model, kind)
     if drafter is not None:
         if drafter.context_kv_proj is None:
             drafter.context_kv_proj = nn.ModuleList(
-                KernelLinear(*drafter.context_kv_rows(i)) for i in range(len(drafter.layers)))
-        swap_linears(drafter)
+                kind(*drafter.context_kv_rows(i)) for i in range(len(drafter.layers)))
+        swap_linears(drafter, kind)
 
 
 FAST_PATHS: list[FastPath] = [  # in order: int4 first, the layouts take what the others left
     FastPath("int4-weights", lambda model, quantize: quantize == "int4", _int4),
     FastPath("onednn-packed-bf16", _packs, _pack),
-    FastPath("cpu-kernel-linears", _kernels_everywhere, _kernel_linears),
+    FastPath("widened-bf16-linears", _kernels_everywhere, _kernel_linears),
 ]
 
-_LAYOUTS = frozenset({"onednn-packed-bf16", "cpu-kernel-linears"})
+_LAYOUTS = frozenset({"onednn-packed-bf16", "widened-bf16-linears"})
 """The decode/verify forward is made before the first of these: export traces plain linears,
 and the forward's kernel linears read the checkpoint's weights, not a packed copy."""
 
@@ -170,7 +173,7 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
         if not _kernels_everywhere(model, None):
             return Prepared([])
         t0 = time.perf_counter()
-        _kernel_linears(model, drafter, True)
+        _kernel_linears(model, drafter, True, KernelLinear)
         return Prepared(["cpu-kernel-linears"],
                         seconds={"cpu-kernel-linears": time.perf_counter() - t0})
     if quantize is not None:

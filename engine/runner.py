@@ -7,9 +7,9 @@ the drafter's layers of the same paged pool (same page ids and slots as the targ
 prefix-cache hit restores the drafter's warm state along with the target's.
 
 With a decode/verify forward (engine.forward: compiled ahead of time, or eager on the CPU
-kernels), every decode row and verify block runs through it; a forward that mixes them with
-prefill chunks runs as two, so a sequence's rows never depend on what else was scheduled with
-them.
+kernels), every decode row and verify block runs through it; each prefill chunk runs in a forward
+of its own (the scheduler cuts prompts at fixed positions), so a sequence's rows never depend on
+what else was scheduled with them.
 
 With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V, and every
 forward also carries its sequences' linear-attention states: their `StatePool` rows are gathered
@@ -77,21 +77,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, items: list[BatchItem]) -> RunnerOutput:
-        """One target forward over all items (prefill chunks, decode tokens, verify blocks)."""
+        """The target's forwards over all items (prefill chunks, decode tokens, verify blocks):
+        decode rows and verify blocks together (through the decode/verify forward, if any),
+        each prefill chunk of a dense model in a forward of its own (so its rows, like a decode
+        row's, are computed the same way whatever shares the step: matmuls and SDPA choose how
+        to block a call by its shape)."""
         self._rollbacks.clear()  # a step's verify blocks are settled before the next forward
-        if self.decode is None:
+        if self.states is not None:  # hybrid: every item in one forward (kernel linears)
             return self._forward(items, False)
         small = [i for i, item in enumerate(items) if item.num_tokens <= INVARIANT_MAX_QUERIES]
-        if len(small) == len(items):
-            return self._forward(items, True)
-        if not small:
-            return self._forward(items, False)
-        large = [i for i, item in enumerate(items) if item.num_tokens > INVARIANT_MAX_QUERIES]
-        parts = [self._forward([items[i] for i in small], True),
-                 self._forward([items[i] for i in large], False)]
+        groups = [small] if small else []
+        groups += [[i] for i, item in enumerate(items) if item.num_tokens > INVARIANT_MAX_QUERIES]
+        if len(groups) == 1:
+            return self._forward(items, self.decode is not None and bool(small))
+        parts = [self._forward([items[i] for i in group], self.decode is not None
+                               and group is small) for group in groups]
         rows: list[tuple[int, int]] = [(0, 0)] * len(items)
         offset = 0
-        for order, part in zip((small, large), parts):
+        for order, part in zip(groups, parts):
             for i, (first, count) in zip(order, part.rows):
                 rows[i] = (first + offset, count)
             offset += part.logits.shape[0]

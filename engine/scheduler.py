@@ -1,5 +1,10 @@
 """Picks each engine step's batch: decode tokens first, then chunks of pending prefills.
 
+Prompts are cut into chunks at fixed positions (multiples of `max_batch_tokens` from position
+0), never where a step's budget happens to run out: with each chunk in a forward of its own
+(engine.runner), a prompt's K/V is computed the same way in every run, whatever shares its steps,
+so speculative and plain decoding see the same prompt bit for bit.
+
 Admission is by KV reservation: a sequence enters the running set only once the pages for its
 whole budget (prompt + max_new_tokens, capped by the context) are promised, so a running
 sequence never runs out of KV mid-generation and nothing needs preempting. A request that could
@@ -105,12 +110,16 @@ class Scheduler:
             n = max(1, min(seq.block_size, seq.budget - seq.computed, budget))
             items.append(BatchItem(seq, n))
             budget -= n
+        prefills = 0
         for seq in prefilling:
             if budget <= 0:
                 break
-            n = self._prefill_chunk(seq, budget)
+            n = self._prefill_chunk(seq)
+            if n > budget and prefills:
+                continue  # the next step's (a chunk is never cut to fit)
             items.append(BatchItem(seq, n))
             budget -= n
+            prefills += 1
         failed: list[Sequence] = []
         while budget > 0 and self.waiting and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
@@ -124,18 +133,24 @@ class Scheduler:
                 break  # first come, first served: wait for pages to free up
             self.waiting.popleft()
             self.running.append(seq)
-            n = self._prefill_chunk(seq, budget)
+            n = self._prefill_chunk(seq)
+            if n > budget and prefills:
+                continue  # running now; its first chunk goes in the next step
             items.append(BatchItem(seq, n))
             budget -= n
+            prefills += 1
         return items, failed
 
-    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
-        """The next prefill chunk's length: what is left of the prompt, within the budget and
-        (hybrid) up to the next multiple of state_interval, where a snapshot is taken."""
-        n = min(len(seq.prompt_ids) - seq.computed, budget)
+    def _prefill_chunk(self, seq: Sequence) -> int:
+        """The next prefill chunk's length: what is left of the prompt up to the next multiple
+        of max_batch_tokens (and, hybrid, of state_interval, where a snapshot is taken), counted
+        from position 0. So a prompt is cut the same way in every run, whatever shares its
+        steps; a step takes its first chunk even past the budget (by at most one chunk)."""
+        at = seq.computed
+        n = min(len(seq.prompt_ids), (at // self.config.max_batch_tokens + 1)
+                * self.config.max_batch_tokens) - at
         if self.state_interval:
-            boundary = (seq.computed // self.state_interval + 1) * self.state_interval
-            n = min(n, boundary - seq.computed)
+            n = min(n, (at // self.state_interval + 1) * self.state_interval - at)
         return n
 
     def _admit(self, seq: Sequence) -> tuple[bool, Exception | None]:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from agentflash.engine.attention import KernelAttention, PagedAttention
-from agentflash.engine.models.kernel_linear import KernelLinear, with_kernel_linears
+from agentflash.engine.models.kernel_linear import (WIDEN_ROWS, KernelLinear, WidenedLinear,
+                                                   with_kernel_linears)
 from agentflash.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(),
@@ -59,6 +60,18 @@ def test_kernel_linears_share_the_weights_and_leave_the_model_as_it_was():
     x = _bf16(3, 64, seed=3)
     cos = torch.nn.functional.cosine_similarity(fast(x).float(), model(x).float(), dim=-1)
     assert cos.min() > 0.999
+
+
+def test_a_widened_linear_takes_the_kernel_for_few_rows_and_float32_for_many():
+    """The eager bf16 linear where torch emulates bf16 matmuls: decode-sized calls are the
+    kernel's rows, prefill chunks float32 on the widened weight, rounded once."""
+    w, b = _bf16(96, 64, seed=0), _bf16(96, seed=1)
+    layer = WidenedLinear(w, b)
+    few, many = _bf16(WIDEN_ROWS, 64, seed=2), _bf16(WIDEN_ROWS + 1, 64, seed=3)
+    assert torch.equal(layer(few), cpu_ops.linear(few, w, b))
+    want = torch.nn.functional.linear(many.float(), w.float(), b.float()).to(torch.bfloat16)
+    assert torch.equal(layer(many), want)
+    assert torch.equal(layer(many[None])[0], want)  # leading dimensions
 
 
 @pytest.mark.skipif(cpu_ops.isa() is None or cpu_ops.isa().name == "avx2"

@@ -139,11 +139,13 @@ async def test_astream_equals_ainvoke(model):
     assert json_model.invoke(CITY_PROMPT).content == reply.content
     tools = model.bind_tools([add], tool_choice="add")
     called = await tools.ainvoke(ADD_PROMPT)
-    merged = None
+    merged, pieces = None, 0
     async for chunk in tools.astream(ADD_PROMPT):
         merged = chunk if merged is None else merged + chunk
+        pieces += bool(chunk.tool_call_chunks)
     assert [(c["name"], c["args"]) for c in merged.tool_calls] == \
         [(c["name"], c["args"]) for c in called.tool_calls]
+    assert pieces > 2  # the call streams as it is written: its name, then its arguments
     assert merged.usage_metadata["output_tokens"] == called.usage_metadata["output_tokens"]
     assert merged.response_metadata["finish_reason"] == "tool_calls"
     # the streamed message round-trips too: resent, it is read from the cache

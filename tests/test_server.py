@@ -110,7 +110,9 @@ def test_parallel_tool_calls_false_gives_one_call(client):
     assert r.choices[0].finish_reason == "tool_calls"
 
 
-def _collect(stream: Any) -> tuple[str, dict[int, dict[str, str]], str | None, Any]:
+def _collect(stream: Any) -> tuple[str, dict[int, dict[str, Any]], str | None, Any]:
+    """A stream's text, its calls as OpenAI clients assemble them (and how many deltas carried
+    each call's arguments), finish reason and usage."""
     text, calls, finish, usage = "", {}, None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -119,10 +121,14 @@ def _collect(stream: Any) -> tuple[str, dict[int, dict[str, str]], str | None, A
             delta = choice.delta
             text += delta.content or ""
             for tc in delta.tool_calls or []:
-                entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": "",
+                                                    "pieces": 0})
+                if not entry["id"]:  # a call's first delta names it
+                    assert tc.id and tc.function.name and tc.type == "function"
                 entry["id"] += tc.id or ""
                 entry["name"] += tc.function.name or ""
                 entry["arguments"] += tc.function.arguments or ""
+                entry["pieces"] += bool(tc.function.arguments)
             finish = choice.finish_reason or finish
     return text, calls, finish, usage
 
@@ -137,8 +143,10 @@ def test_streaming_equals_non_streaming(client):
         message = plain.choices[0].message
         assert text == (message.content or "")
         assert finish == plain.choices[0].finish_reason
-        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
-            [(c.function.name, arguments(c)) for c in message.tool_calls or []]
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        # the arguments stream as they are written, not in one piece at the end
+        assert all(c["pieces"] > 1 for c in calls.values())
         assert usage.completion_tokens == plain.usage.completion_tokens
         assert usage.prompt_tokens == plain.usage.prompt_tokens
 

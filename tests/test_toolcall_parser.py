@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentflash.toolcall_parser import (
+    ArgumentsDelta,
+    CallOpened,
     MalformedToolCall,
     ParsedToolCall,
     TextDelta,
@@ -20,18 +22,19 @@ from agentflash.toolcall_parser import (
 OPEN, CLOSE, PYTHON_TAG = "<tool_call>", "</tool_call>", "<|python_tag|>"
 
 
-def run(fmt: str, chunks: list[str]) -> tuple[list[Any], ToolCallParser]:
-    parser = ToolCallParser(fmt)
+def run(fmt: str, chunks: list[str], stream: bool = False) -> tuple[list[Any], ToolCallParser]:
+    parser = ToolCallParser(fmt, stream_calls=stream)
     events = [e for chunk in chunks for e in parser.feed(chunk)]
     return events + parser.finish(), parser
 
 
 def merged(events: list[Any]) -> list[Any]:
-    """Events with adjacent TextDeltas joined (how text is split over deltas depends on chunks)."""
+    """Events with adjacent TextDeltas (and ArgumentsDeltas) joined: how text is split over
+    deltas depends on the chunks."""
     out: list[Any] = []
     for e in events:
-        if isinstance(e, TextDelta) and out and isinstance(out[-1], TextDelta):
-            out[-1] = TextDelta(out[-1].text + e.text)
+        if isinstance(e, (TextDelta, ArgumentsDelta)) and out and type(out[-1]) is type(e):
+            out[-1] = type(e)(out[-1].text + e.text)
         else:
             out.append(e)
     return out
@@ -140,6 +143,26 @@ def test_hermes_tag_lookalikes_are_text_unchanged(text):
         events, parser = run("hermes", chunks)
         assert merged(events) == [TextDelta(text)]
         assert parser.text == text and parser.calls == []
+
+
+def test_hermes_streams_a_calls_name_then_its_arguments_as_written():
+    """Name first and an object of arguments (what the grammar writes): the call opens once the
+    name is known and its arguments' text streams as it is written; the call itself follows,
+    with that text."""
+    body = '{"name": "edit", "arguments": {"path": "a.py", "text": "x = \\"}\\"\\n", "n": [1, {}]}}'
+    parser = ToolCallParser("hermes", stream_calls=True)
+    assert parser.feed(f"ok {OPEN}\n" + body[:16]) == [TextDelta("ok ")]
+    opened = parser.feed(body[16:33])
+    assert opened == [CallOpened("edit"), ArgumentsDelta('{"p')]
+    rest = parser.feed(body[33:]) + parser.feed(f"\n{CLOSE}")
+    call = rest[-1]
+    assert isinstance(call, ParsedToolCall) and call.arguments["text"] == 'x = "}"\n'
+    assert '{"p' + "".join(e.text for e in rest[:-1]) == call.arguments_text == body[30:-1]
+    # arguments before the name, or written as a string: the call comes whole
+    for late in ('{"arguments": {"a": 1}, "name": "f"}', '{"name": "f", "arguments": "{}"}'):
+        events, _ = run("hermes", [OPEN + late + CLOSE], stream=True)
+        assert [type(e) for e in events] == [ParsedToolCall]
+        assert json.loads(events[0].arguments_text) == events[0].arguments
 
 
 def test_hermes_streams_text_that_cannot_start_a_tag():
@@ -276,27 +299,37 @@ def valid_call(draw: st.DrawFn, keys: tuple[str, ...]) -> tuple[str, ParsedToolC
     return draw(SPACE) + raw + draw(SPACE), ParsedToolCall(name, arguments, raw)
 
 
+def streamed(call: ParsedToolCall) -> list[Any]:
+    """A hermes call's events: opened and its arguments streamed when they are an object."""
+    if isinstance(json.loads(call.raw).get("arguments", json.loads(call.raw).get("parameters")),
+                  dict):
+        return [CallOpened(call.name), ArgumentsDelta(call.arguments_text), call]
+    return [call]
+
+
 @st.composite
-def hermes_message(draw: st.DrawFn) -> tuple[str, list[Any]]:
-    """A message of text and tool-call spans, and the merged events it should parse to."""
+def hermes_message(draw: st.DrawFn, stream: bool) -> tuple[str, list[Any]]:
+    """A message of text and tool-call spans, and the merged events it should parse to (with
+    the calls' arguments streamed, if `stream`)."""
     text_piece = TEXT.filter(lambda t: OPEN not in t)
     message, expected = "", []
     for _ in range(draw(st.integers(0, 3))):
         text = draw(text_piece)
         if draw(st.booleans()):
-            body, event = draw(valid_call(("arguments", "parameters")))
+            body, call = draw(valid_call(("arguments", "parameters")))
+            events = streamed(call) if stream else [call]
         else:
             body = draw(SPACE) + draw(MALFORMED) + draw(SPACE)
-            event = MalformedToolCall(body.strip(), "")
+            events = [MalformedToolCall(body.strip(), "")]
         message += text + OPEN + body + CLOSE
-        expected += [TextDelta(text), event] if text else [event]
+        expected += ([TextDelta(text)] if text else []) + events
     text = draw(text_piece)
     message += text
     expected += [TextDelta(text)] if text else []
     if draw(st.booleans()):  # cut off inside a final call
-        body, event = draw(valid_call(("arguments",)))
+        body, call = draw(valid_call(("arguments",)))
         message += OPEN + body + draw(st.sampled_from(["", "<", "</tool_call"]))
-        expected.append(event)
+        expected += streamed(call) if stream else [call]
     return message, expected
 
 
@@ -325,18 +358,23 @@ def same_events(actual: list[Any], expected: list[Any]) -> bool:
     return [key(e) for e in actual] == [key(e) for e in expected]
 
 
-@pytest.mark.parametrize("fmt, messages", [("hermes", hermes_message()), ("llama3_json", llama3_message())])
+@pytest.mark.parametrize("fmt, messages, stream", [
+    ("hermes", hermes_message(False), False), ("hermes", hermes_message(True), True),
+    ("llama3_json", llama3_message(), False), ("llama3_json", llama3_message(), True)])
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
-def test_any_chunking_gives_the_same_events(fmt, messages, data):
+def test_any_chunking_gives_the_same_events(fmt, messages, stream, data):
     message, expected = data.draw(messages)
     points = data.draw(st.lists(st.integers(0, len(message)), max_size=10))
-    whole, whole_parser = run(fmt, [message])
+    whole, whole_parser = run(fmt, [message], stream)
     for chunks in (cut(message, points), list(message)):
-        events, parser = run(fmt, chunks)
+        events, parser = run(fmt, chunks, stream)
         assert merged(events) == merged(whole)
         assert parser.text == whole_parser.text and parser.calls == whole_parser.calls
     assert same_events(merged(whole), expected)
     visible = "".join(e.text for e in expected if isinstance(e, TextDelta))
     assert "".join(e.text for e in whole if isinstance(e, TextDelta)) == whole_parser.text == visible
     assert whole_parser.calls == [e for e in expected if isinstance(e, ParsedToolCall)]
+    for i, e in enumerate(merged(whole)):  # a call's streamed arguments are its arguments
+        if isinstance(e, ArgumentsDelta):
+            assert json.loads(e.text) == merged(whole)[i + 1].arguments

@@ -55,8 +55,8 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentflash.conversation import chat
-from agentflash.request import (CallChunk, ChatEvent, ChatReply, ChatRequest, TextChunk,
-                                output_schema_of, tool_choice_of)
+from agentflash.request import (CallArguments, CallChunk, CallStart, ChatEvent, ChatReply,
+                                ChatRequest, TextChunk, output_schema_of, tool_choice_of)
 from agentflash.structured import TOOL_CHOICES
 from agentflash.engine.sampler import SamplingParams
 from agentflash.runtime import Runtime
@@ -174,9 +174,10 @@ class ChatAgentflash(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        streamed: set[int] = set()
         async with aclosing(self._events(messages, stop, kwargs)) as events:
             async for event in events:
-                chunk = self._chunk(event)
+                chunk = self._chunk(event, streamed)
                 if chunk is not None:
                     yield chunk
 
@@ -190,9 +191,10 @@ class ChatAgentflash(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        streamed: set[int] = set()
         with closing(_blocking(self._events(messages, stop, kwargs))) as events:
             for event in events:
-                chunk = self._chunk(event)
+                chunk = self._chunk(event, streamed)
                 if chunk is not None:
                     yield chunk
 
@@ -206,16 +208,27 @@ class ChatAgentflash(BaseChatModel):
                         for c in reply.tool_calls],
             usage_metadata=_usage_metadata(reply), response_metadata=self._metadata(reply)))])
 
-    def _chunk(self, event: ChatEvent) -> ChatGenerationChunk | None:
-        """The stream's chunk for `event`: text, a whole tool call, or (last) the usage."""
+    def _chunk(self, event: ChatEvent, streamed: set[int]) -> ChatGenerationChunk | None:
+        """The stream's chunk for `event`: text, a tool call as it is written (its id and name,
+        then pieces of its arguments) or whole (unless it came in pieces: `streamed` holds
+        those), or (last) the usage."""
         if isinstance(event, TextChunk):
             return ChatGenerationChunk(message=AIMessageChunk(content=event.text)) \
                 if event.text else None
+        if isinstance(event, CallStart):
+            streamed.add(event.index)
+            return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                tool_call_chunk(name=event.name, id=event.id, index=event.index, args="")]))
+        if isinstance(event, CallArguments):
+            return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                tool_call_chunk(name=None, id=None, index=event.index, args=event.text)]))
         if isinstance(event, CallChunk):
+            if event.index in streamed:
+                return None
             call = event.call
             return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
                 tool_call_chunk(name=call.name, id=call.id, index=event.index,
-                                args=json.dumps(call.arguments, ensure_ascii=False))]))
+                                args=call.arguments_text())]))
         return ChatGenerationChunk(message=AIMessageChunk(
             content="", usage_metadata=_usage_metadata(event),
             response_metadata=self._metadata(event), chunk_position="last"))

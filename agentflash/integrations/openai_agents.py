@@ -31,7 +31,6 @@ call (input and output when the run includes data). The caller owns the runtime 
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import aclosing
 from typing import Any, AsyncGenerator, AsyncIterator, cast
@@ -58,7 +57,8 @@ from openai.types.responses.response_usage import InputTokensDetails, OutputToke
 
 from agentflash import usage as af
 from agentflash.conversation import chat
-from agentflash.request import CallChunk, ChatEvent, ChatReply, ChatRequest, TextChunk, Turn
+from agentflash.request import (CallArguments, CallChunk, CallStart, ChatEvent, ChatReply,
+                                ChatRequest, TextChunk, Turn)
 from agentflash.engine.sampler import SamplingParams
 from agentflash.runtime import Runtime
 from agentflash.structured import TOOL_CHOICES
@@ -120,10 +120,15 @@ class AgentflashModel(Model):
     async def _chunks(self, turn: Turn, span: Span[GenerationSpanData],
                       tracing: ModelTracing) -> AsyncGenerator[ChatCompletionChunk, None]:
         """The turn's events as the Chat Completions chunks the SDK's stream handler reads."""
+        streamed: set[int] = set()  # calls that came piece by piece
         async with aclosing(turn.events()) as events:
             async for event in events:
                 if isinstance(event, ChatReply):
                     _trace(span, event, tracing)
+                if isinstance(event, CallStart):
+                    streamed.add(event.index)
+                elif isinstance(event, CallChunk) and event.index in streamed:
+                    continue
                 yield self._chunk(event)
 
     def _chunk(self, event: ChatEvent) -> ChatCompletionChunk:
@@ -131,12 +136,18 @@ class AgentflashModel(Model):
         usage = None
         if isinstance(event, TextChunk):
             delta = ChoiceDelta(content=event.text)
+        elif isinstance(event, CallStart):  # the call as it is written: id and name first
+            delta = ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(
+                index=event.index, id=event.id, type="function",
+                function=ChoiceDeltaToolCallFunction(name=event.name, arguments=""))])
+        elif isinstance(event, CallArguments):
+            delta = ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(
+                index=event.index, function=ChoiceDeltaToolCallFunction(arguments=event.text))])
         elif isinstance(event, CallChunk):
             delta = ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(
                 index=event.index, id=event.call.id, type="function",
                 function=ChoiceDeltaToolCallFunction(
-                    name=event.call.name,
-                    arguments=json.dumps(event.call.arguments, ensure_ascii=False)))])
+                    name=event.call.name, arguments=event.call.arguments_text()))])
         else:
             delta, finish, usage = ChoiceDelta(), event.finish_reason, _completion_usage(
                 event.usage)

@@ -49,7 +49,8 @@ from pydantic_ai.tools import RunContext
 from pydantic_ai.usage import RequestUsage
 
 from agentflash.conversation import chat
-from agentflash.request import CallChunk, ChatEvent, ChatReply, ChatRequest, TextChunk, Turn
+from agentflash.request import (CallArguments, CallChunk, CallStart, ChatEvent, ChatReply,
+                                ChatRequest, TextChunk, Turn)
 from agentflash.engine.sampler import SamplingParams
 from agentflash.errors import AgentClosedError, AgentflashError, ContextLengthError, EngineError
 from agentflash.runtime import Runtime
@@ -183,6 +184,7 @@ class AgentflashStreamedResponse(StreamedResponse):
     _timestamp: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
     async def _get_event_iterator(self) -> AsyncIterator[ModelResponseStreamEvent]:
+        streamed: set[int] = set()  # calls that came piece by piece
         with _mapped_errors(self._model_name):
             async for event in self._events:
                 if isinstance(event, TextChunk) and event.text:
@@ -190,7 +192,17 @@ class AgentflashStreamedResponse(StreamedResponse):
                             vendor_part_id="text", content=event.text,
                             ignore_leading_whitespace=True):
                         yield e
-                elif isinstance(event, CallChunk):
+                elif isinstance(event, CallStart):  # the call as it is written
+                    streamed.add(event.index)
+                    for e in self._parts_manager.handle_tool_call_delta_events(
+                            vendor_part_id=event.index, tool_name=event.name,
+                            tool_call_id=event.id):
+                        yield e
+                elif isinstance(event, CallArguments):
+                    for e in self._parts_manager.handle_tool_call_delta_events(
+                            vendor_part_id=event.index, args=event.text):
+                        yield e
+                elif isinstance(event, CallChunk) and event.index not in streamed:
                     yield self._parts_manager.handle_tool_call_part(
                         vendor_part_id=event.index, tool_name=event.call.name,
                         args=event.call.arguments, tool_call_id=event.call.id)

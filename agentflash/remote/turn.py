@@ -111,7 +111,8 @@ class RemoteTurn:
             except ValueError as e:
                 malformed.append(MalformedToolCall(call["args"], f"{call['name']}: {e}"))
                 continue
-            for event in add(ToolCall(call["id"] or _call_id(), call["name"], arguments)):
+            for event in add(ToolCall(call["id"] or _call_id(), call["name"], arguments,
+                                      call["args"] or None)):
                 yield event
         if report is None:
             raise RemoteError(f"{self._url} reported no usage for the request (agentflash "

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentflash.conversation import TextReply, chat, complete
-from agentflash.request import CallChunk, ChatReply, TextChunk, Turn
+from agentflash.request import CallArguments, CallChunk, CallStart, ChatReply, TextChunk, Turn
 from agentflash.engine.errors import ContextLengthError, EngineError, KVPoolExhaustedError
 from agentflash.engine.sampler import SamplingParams
 from agentflash.errors import AgentflashError, AgentClosedError
@@ -332,6 +332,7 @@ async def _chat_chunks(server: Server, body: ChatCompletionRequest,
         return out
 
     started: set[int] = set()
+    streamed: set[tuple[int, int]] = set()  # (choice, call) pairs sent as they were written
     async for index, event in _chat_events(server, body, turns):
         if index == -1:
             if include_usage:
@@ -345,7 +346,16 @@ async def _chat_chunks(server: Server, body: ChatCompletionRequest,
             if not event.text:
                 continue
             delta: dict[str, Any] = {"content": event.text}
+        elif isinstance(event, CallStart):  # OpenAI's shape: id and name, then arguments
+            streamed.add((index, event.index))
+            delta = {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                     "function": {"name": event.name, "arguments": ""}}]}
+        elif isinstance(event, CallArguments):
+            delta = {"tool_calls": [{"index": event.index,
+                                     "function": {"arguments": event.text}}]}
         elif isinstance(event, CallChunk):
+            if (index, event.index) in streamed:
+                continue  # already sent piece by piece
             delta = {"tool_calls": [tool_call_body(event.call, event.index)]}
         else:
             assert isinstance(event, ChatReply)

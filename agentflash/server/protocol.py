@@ -4,7 +4,6 @@ bodies, usage, and OpenAI's error shape."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal
@@ -197,7 +196,7 @@ def usage_body(usage: Usage, prompt: Usage | None = None) -> dict[str, Any]:
 
 def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"id": call.id, "type": "function", "function": {
-        "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+        "name": call.name, "arguments": call.arguments_text()}}
     if index is not None:
         body["index"] = index
     return body

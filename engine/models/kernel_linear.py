@@ -6,12 +6,15 @@ every parameter and has each linear computed that way: what engine.compiled trac
 programs from, so the decode and verify rows of a compiled step read the checkpoint's weights
 through the kernel while the eager model (prefill) keeps its own linears.
 
-`swap_linears` puts `KernelLinear`s in a finished model in place: on CPUs without native bf16
-matmuls (AVX2), where torch emulates them at a fraction of its float32 speed, every bfloat16
-linear of the eager model runs the kernel, prefill included. Its rows do not depend on the
-call at any row count, and greedy speculative output equals plain output only if prefill rows
-do not either (a speculative run cuts its prompts into other prefill chunks than a plain one:
-float32 matmuls on the widened weight were measured to part them).
+`WidenedLinear` is the eager bfloat16 linear for CPUs without native bf16 matmuls (AVX2), where
+torch emulates them at a fifth of its float32 speed: few rows go through the kernel, more rows
+(prefill chunks) are computed in float32 on the weight widened for the call (~1.6x the kernel's
+throughput at 512 rows; widening costs about what 64 rows of the kernel do) and rounded once to
+bfloat16. Which one a row takes depends on the call's row count, so a caller that needs a row's
+numbers to be the same in every run calls it with rows cut the same way (engine.runner runs each
+prefill chunk alone; the scheduler cuts prompts at fixed positions). `swap_linears` puts them
+(or `KernelLinear`s, for a model that needs every row independent of the call) in a finished
+model in place.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from agentflash.kernels import cpu_ops
@@ -40,10 +44,28 @@ class KernelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel"
 
 
+WIDEN_ROWS = 64
+"""A `WidenedLinear` call of more rows than this computes in float32 (else the kernel)."""
+
+
+class WidenedLinear(KernelLinear):
+    """y = x W^T + b in bfloat16 on a CPU without bf16 matmuls: the kernel for few rows,
+    float32 on the widened weight for many (inference)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= WIDEN_ROWS * self.in_features:
+            return cpu_ops.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, widened"
+
+
 def with_kernel_linears(module: nn.Module) -> nn.Module:
-    """A copy of `module` sharing every parameter, with each `nn.Linear` below it (itself
-    included) a `KernelLinear`; `module` is unchanged."""
-    if isinstance(module, nn.Linear):
+    """A copy of `module` sharing every parameter, with each `nn.Linear` (or `WidenedLinear`)
+    below it (itself included) a `KernelLinear`; `module` is unchanged."""
+    if isinstance(module, (nn.Linear, WidenedLinear)):
         return KernelLinear(module.weight, module.bias)
     clone = copy.copy(module)
     clone._modules = {name: None if child is None else with_kernel_linears(child)
@@ -51,14 +73,14 @@ def with_kernel_linears(module: nn.Module) -> nn.Module:
     return clone
 
 
-def swap_linears(module: nn.Module) -> int:
-    """Replace every bfloat16 `nn.Linear` below `module` by a `KernelLinear` on the same
-    tensors, in place. Returns how many were replaced."""
+def swap_linears(module: nn.Module, kind: type[KernelLinear] = WidenedLinear) -> int:
+    """Replace every bfloat16 `nn.Linear` below `module` by a `kind` on the same tensors, in
+    place. Returns how many were replaced."""
     count = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
-            setattr(module, name, KernelLinear(child.weight, child.bias))
+            setattr(module, name, kind(child.weight, child.bias))
             count += 1
         else:
-            count += swap_linears(child)
+            count += swap_linears(child, kind)
     return count
