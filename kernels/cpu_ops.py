@@ -4,6 +4,8 @@
 - `linear(x, weight, bias, residual)`: y = x W^T + b (+ residual) in bfloat16 for few rows
   (linear.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in its plain
   layout.
+- `linear_int8(x, qweight, scale, bias)`: the same for int8 weights with a float32 scale per
+  output row (half the bytes of bfloat16; linear_int8.cpp, the AVX2 code in every build).
 - `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
   each query over its sequence's keys in the paged pool, read in place through its page table
   (attention.cpp): no gathered copy of the context, no batched-matmul calls.
@@ -38,8 +40,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).with_name("cpu")
-COMMON = ("linear.cpp", "attention.cpp")
-HEADERS = ("kernels.h", "simd_avx512.h", "simd_avx2.h")
+COMMON = ("linear.cpp", "attention.cpp", "linear_int8.cpp")
+HEADERS = ("kernels.h", "simd_avx512.h", "simd_avx2.h", "linear_avx2.h")
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (qweight [N, K] int8 * scale [N, 1] float32)^T (+ bias [N]), bfloat16: the
+    products summed in float32, scaled per output, rounded once."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    out = torch.ops.agentflash.linear_int8(flat, qweight, scale, bias)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, page_size: int, token_seq: torch.Tensor,
                     token_keys: torch.Tensor, scale: float, k_new: torch.Tensor | None = None,
@@ -195,6 +206,12 @@ def _register_fakes() -> None:
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("agentflash::linear_int8")
+    def _linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], qweight.shape[0])
 
     @torch.library.register_fake("agentflash::paged_attention_bf16")
     def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

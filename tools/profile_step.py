@@ -34,7 +34,8 @@ from agentflash.engine.sampler import SamplingParams
 from agentflash.engine.scheduler import BatchItem
 
 LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
-              "aten::_weight_int4pack_mm_for_cpu", "agentflash::linear_bf16"}
+              "aten::_weight_int4pack_mm_for_cpu", "agentflash::linear_bf16",
+              "agentflash::linear_int8"}
 GATHER_OPS = {"aten::index_select"}
 # the torch path's batched matmuls, or agentflash's CPU attention kernel (which reads the pool in
 # place: no gather). Inside a compiled program only these custom ops are seen (Inductor's own
@@ -89,6 +90,7 @@ def main() -> None:
     ap.add_argument("--no-fast-path", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-draft", action="store_true")
+    ap.add_argument("--quantize", choices=["int8", "int4"], default=None)
     args = ap.parse_args()
 
     device = torch.device("cpu")
@@ -99,9 +101,12 @@ def main() -> None:
                        if name.endswith("proj.weight") or name == "lm_head.weight")
     if model.lm_head is None:  # tied head: the embedding matrix is streamed once more
         weight_bytes += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    if args.quantize == "int8":  # one byte a weight
+        weight_bytes //= 2
     pages = -(-(args.context + 64) // 16) + 8
     engine = Engine(model, CacheConfig(16, pages), drafter=drafter,
                     fast_path=not args.no_fast_path, compile=not args.no_compile,
+                    quantize=args.quantize,
                     max_model_len=args.context + 64)
     prompt = [(7 * i + 11) % model.config.vocab_size for i in range(args.context)]
     seq_id = engine.submit(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True),

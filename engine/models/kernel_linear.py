@@ -58,15 +58,22 @@ class WidenedLinear(KernelLinear):
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
+    def kernel_only(self) -> KernelLinear:
+        return KernelLinear(self.weight, self.bias)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, widened"
 
 
 def with_kernel_linears(module: nn.Module) -> nn.Module:
-    """A copy of `module` sharing every parameter, with each `nn.Linear` (or `WidenedLinear`)
-    below it (itself included) a `KernelLinear`; `module` is unchanged."""
-    if isinstance(module, (nn.Linear, WidenedLinear)):
+    """A copy of `module` sharing every parameter, with each `nn.Linear` below it (itself
+    included) a `KernelLinear` and each layer that takes a call's row count into account (a
+    `WidenedLinear`, engine.models.quantized's `Int8Linear`) its `kernel_only()` self;
+    `module` is unchanged."""
+    if isinstance(module, nn.Linear):
         return KernelLinear(module.weight, module.bias)
+    if hasattr(module, "kernel_only"):
+        return module.kernel_only()
     clone = copy.copy(module)
     clone._modules = {name: None if child is None else with_kernel_linears(child)
                       for name, child in module._modules.items()}

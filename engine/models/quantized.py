@@ -1,7 +1,18 @@
-"""Weight-only int4 linear layers for CPU decoding: an opt-in transformation of a finished model.
+"""Weight-only quantized linear layers for CPU decoding: opt-in transformations of a finished
+model (engine.fastpath, `quantize="int8"` or `"int4"`).
 
 A decode step on CPU streams every weight once for one token, so its matmuls are bound by memory
-bandwidth: four bits per weight instead of sixteen is a quarter of the bytes. torch's CPU int4
+bandwidth: fewer bits per weight are fewer bytes to read.
+
+int8 (`Int8Linear`): each output row's weights get one float32 scale, w ~ q * scale with q in
+-127..127 and scale = max |w| / 127 (symmetric, per channel). Rows of a decode step or a verify
+block go through agentflash's int8 CPU kernel (kernels.cpu_ops.linear_int8: half the bytes of
+bfloat16, every row computed the same way whatever the call, so speculative output equals the
+quantized model's own plain output); more rows (prefill chunks) are computed in float32 on the
+weight dequantized for the call. The model's head gets an int8 copy of its matrix too (tied
+embeddings keep theirs for the lookup): at Qwen3-0.6B's size it is a quarter of the weights.
+
+int4 (`Int4Linear`): four bits per weight instead of sixteen is a quarter of the bytes. torch's CPU int4
 matmul (`aten._weight_int4pack_mm_for_cpu`) reads 0.6B-shaped layer weights at 69 GB/s bf16
 equivalent for one row, against 24 GB/s for oneDNN's packed bf16 (2-core EPYC; docs/
 performance.md); for 16 rows it is slower than bf16 (10 against 18 GB/s), so verifying drafts
@@ -17,8 +28,15 @@ multiple of 16, input features not a multiple of the group size) is left as it w
 
 from __future__ import annotations
 
+import copy
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from agentflash.kernels import cpu_ops
+
+from .kernel_linear import WIDEN_ROWS
 
 GROUP_SIZE = 128
 
@@ -66,10 +84,10 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.group_size = group_size
         q, scales_zeros = quantize_weight(weight, group_size)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
-                             persistent=False)
-        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        # buffers in the state dict: what a compiled program's cache key reads (engine.compiled)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.register_buffer("bias", None if bias is None else bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
@@ -96,3 +114,57 @@ def quantize_linears_int4(module: nn.Module, group_size: int = GROUP_SIZE) -> in
             count += quantize_linears_int4(child, group_size)
     return count
 
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, K] int8 in -127..127, scale [N] float32) with weight ~ q * scale[:, None]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W as int8 rows and a float32 scale per row (CPU; bfloat16
+    activations; inference only): the kernel for up to `kernel_rows` rows (None: every call),
+    float32 on the dequantized weight for more."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernel_rows: int | None = WIDEN_ROWS) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kernel_rows = kernel_rows
+        q, scale = quantize_int8(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_rows is None or x.numel() <= self.kernel_rows * self.in_features:
+            return cpu_ops.linear_int8(x, self.qweight, self.scale, self.bias)
+        weight = self.qweight.float() * self.scale[:, None]
+        return F.linear(x.float(), weight, self.bias).to(x.dtype)
+
+    def kernel_only(self) -> Int8Linear:
+        """The same layer (sharing its buffers) with every call through the kernel: what a
+        decode/verify forward computes its rows with (engine.forward)."""
+        clone = copy.copy(self)
+        clone.kernel_rows = None
+        return clone
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_linears_int8(module: nn.Module) -> int:
+    """Replace every `nn.Linear` below `module` by an `Int8Linear`, in place; returns how many
+    were replaced."""
+    count = 0
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8Linear(child.weight, child.bias))
+            count += 1
+        else:
+            count += quantize_linears_int8(child)
+    return count

@@ -16,11 +16,12 @@
 
 namespace agentflash_cpu {
 
-// y[m, n] = x[m, :] . W[n, :] (+ bias[n]) (+ residual[m, n]), rounded once to bfloat16.
+// y[m, n] = x[m, :] . W[n, :] (* scale[n]) (+ bias[n]) (+ residual[m, n]), rounded once to
+// bfloat16. W is bfloat16 (w), or int8 (qw) with a scale per row.
 struct LinearArgs {
   const uint16_t* x;         // [M, K] bfloat16, rows ldx apart
   int64_t ldx;
-  const uint16_t* w;         // [N, K] bfloat16, rows ldw apart
+  const uint16_t* w;         // [N, K] bfloat16, rows ldw apart (or nullptr: qw)
   int64_t ldw;
   const float* bias;         // [N] float32 or nullptr
   const uint16_t* residual;  // [M, N] bfloat16 (rows ldy apart) or nullptr
@@ -29,10 +30,14 @@ struct LinearArgs {
   int64_t M;
   int64_t K;
   int64_t N;
+  const int8_t* qw = nullptr;    // [N, K] int8, rows ldw apart (linear_int8_columns)
+  const float* scale = nullptr;  // [N] float32: qw's row scales
 };
 
-// Every row of y for W's rows [n0, n1).
+// Every row of y for W's rows [n0, n1): bfloat16 W (this instruction set's kernel), int8 W
+// (the AVX2 kernel, in every library).
 void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1);
+void linear_int8_columns(const LinearArgs& a, int64_t n0, int64_t n1);
 
 // Where one (run of queries, KV head)'s keys live: the pool through its sequence's page table,
 // and from key `cached` on (when `kn` is set) the run's own new rows (a drafter block's K/V).

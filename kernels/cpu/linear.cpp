@@ -1,12 +1,14 @@
 // agentflash::linear_bf16: y = x W^T (+ b) (+ residual) for bfloat16 x [M, K] and W [N, K],
-// built for the few rows of a decode step or a verify block.
+// built for the few rows of a decode step or a verify block; agentflash::linear_int8: the same
+// for int8 weights with a float32 scale per row (y = (x q^T) * scale + b), half the bytes.
 //
 // Why it exists (docs/performance.md): oneDNN's bf16 matmul costs 20-30 us a call at one row
 // whatever the size (a 384x384 layer takes as long as a 2048x384 one), so the 24 linears of an
 // agentflash-11m step cost ~1.6 ms where their weights stream from cache in ~0.3 ms; on CPUs
 // without native bf16 (AVX2) torch's bf16 matmul is slower still. W is read in its checkpoint
 // layout (no packed copy). This file checks the arguments and splits W's rows over threads;
-// linear_<isa>.cpp computes them (kernels.h: every output by the same instruction sequence).
+// linear_<isa>.cpp and linear_int8.cpp compute them (kernels.h: every output by the same
+// instruction sequence).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,51 +24,92 @@ namespace {
 // Threads take W's rows in multiples of this (a multiple of every implementation's tile width).
 constexpr int64_t kColumns = 24;
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "linear_bf16: x [M, K] and weight [N, K], got ", x.sizes(), " and ",
-              weight.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
-              "linear_bf16: bfloat16 x and weight");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_bf16: CPU tensors");
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  const at::Tensor wc = weight.stride(1) == 1 ? weight : weight.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+// y = x W^T with the rest of `a` filled in from the tensors (bias, residual, y), threads
+// splitting W's N rows.
+at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
+               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+               agentflash_cpu::LinearArgs a,
+               void (*columns)(const agentflash_cpu::LinearArgs&, int64_t, int64_t)) {
+  const int64_t M = x.size(0), K = x.size(1);
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear_bf16: bias [N]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias [N]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
   at::Tensor res;
   if (residual.has_value() && residual->defined()) {
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N &&
                     residual->scalar_type() == at::kBFloat16,
-                "linear_bf16: a bfloat16 residual [M, N]");
+                op, ": a bfloat16 residual [M, N]");
     res = residual->contiguous();
   }
-  at::Tensor y = at::empty({M, N}, xc.options());
+  at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const agentflash_cpu::LinearArgs a{
-      reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.stride(0),
-      reinterpret_cast<const uint16_t*>(wc.data_ptr()), wc.stride(0),
-      bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-      res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr()) : nullptr,
-      reinterpret_cast<uint16_t*>(y.data_ptr()), N, M, K, N};
+  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  a.ldx = x.stride(0);
+  a.bias = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  a.residual = res.defined() ? reinterpret_cast<const uint16_t*>(res.data_ptr()) : nullptr;
+  a.y = reinterpret_cast<uint16_t*>(y.data_ptr());
+  a.ldy = N;
+  a.M = M;
+  a.K = K;
+  a.N = N;
   const int64_t blocks = (N + kColumns - 1) / kColumns;
   // at least ~16 KB of weights per task: smaller ones cost more to hand out than to compute
   const int64_t grain = std::max<int64_t>(1, 16384 / (2 * kColumns * std::max<int64_t>(K, 1)));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    agentflash_cpu::linear_columns(a, b0 * kColumns, std::min(N, b1 * kColumns));
+    columns(a, b0 * kColumns, std::min(N, b1 * kColumns));
   });
   return y;
+}
+
+at::Tensor checked_x(const char* op, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op,
+              ": x [M, K] and weight [N, K], got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, op, ": bfloat16 x");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors");
+  return x.stride(1) == 1 ? x : x.contiguous();
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
+  const at::Tensor xc = checked_x("linear_bf16", x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 x and weight");
+  const at::Tensor wc = weight.stride(1) == 1 ? weight : weight.contiguous();
+  agentflash_cpu::LinearArgs a{};
+  a.w = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  a.ldw = wc.stride(0);
+  return run("linear_bf16", xc, wc.size(0), bias, residual, a, agentflash_cpu::linear_columns);
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
+  const at::Tensor xc = checked_x("linear_int8", x, qweight);
+  TORCH_CHECK(qweight.scalar_type() == at::kChar, "linear_int8: int8 qweight");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == qweight.size(0) &&
+                  scale.scalar_type() == at::kFloat,
+              "linear_int8: float32 scale [N]");
+  const at::Tensor wc = qweight.stride(1) == 1 ? qweight : qweight.contiguous();
+  const at::Tensor sc = scale.contiguous();
+  agentflash_cpu::LinearArgs a{};
+  a.qw = wc.data_ptr<int8_t>();
+  a.ldw = wc.stride(0);
+  a.scale = sc.data_ptr<float>();
+  return run("linear_int8", xc, wc.size(0), bias, residual, a,
+             agentflash_cpu::linear_int8_columns);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None, "
+        "Tensor? residual=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(agentflash, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
+TORCH_LIBRARY_IMPL(agentflash, CPU, m) {
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_int8", &linear_int8);
+}

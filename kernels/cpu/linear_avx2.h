@@ -1,0 +1,220 @@
+// The AVX2 (+FMA) linear kernel, for weights widened to float32 in registers: bfloat16 weights
+// (linear_avx2.cpp, on CPUs without native bf16 arithmetic) and int8 weights with a float32
+// scale per row (linear_int8.cpp, on every CPU with AVX2). A format F says how 16 elements of a
+// W row and of an x row become two float32 vectors (the same split for both, so that their
+// products pair up) and where W's rows are.
+//
+// Every output y[m, n] is one dot product of x's row m and W's row n over K in 16-element
+// chunks: one 8-lane accumulator takes the products of the first, then of the second vector of
+// every chunk by FMA (the last chunk zero-padded). Its 8 lanes are added by one fixed tree
+// (lane_sums8), then multiplied by the row's scale (int8), the bias and a residual added, and
+// the result rounded once to bfloat16. That sequence is the same for every output whatever M,
+// the tile it is computed in or the thread that computes it.
+//
+// How it is fast: a decode step reads each weight once, so one row of x streams W from memory.
+// Each thread takes a contiguous run of W's rows and reads it front to back, one row at a time
+// (a single sequential stream, prefetched 1 KB ahead: measured on a 2-core EPYC without
+// AVX512: 12-14 GB/s, a plain read's speed, where interleaving 8 rows' chunks read 7-9). x's
+// rows are widened once per call into a float32 scratch. More rows (a verify block, a prefill
+// chunk) are compute-bound: tiles of 2 x rows by 3 W rows keep 6 accumulators and 6 widened W
+// vectors in registers, so each vector loaded serves 2-3 FMAs (3x3 tiles spill a register:
+// slower).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "simd_avx2.h"
+
+namespace agentflash_cpu::avx2 {
+
+constexpr int kGroup = 8;          // W rows whose outputs are reduced together (lane_sums8)
+constexpr int64_t kRowChunk = 32;  // x rows per pass over a thread's rows of W
+constexpr int64_t kAhead = 1024;   // bytes of W prefetched ahead of the one being read
+
+// Floats between widened rows of x: their chunks plus one cache line, so that rows are never a
+// multiple of 4 KB apart (the up to 12 rows a tile reads at once would share L1 sets).
+inline int64_t row_stride(int64_t chunks) { return chunks * 16 + 16; }
+
+// x's rows m0 .. m1 - 1 widened into `out`: per row `chunks` chunks of 16 as F splits them
+// (two float32 vectors), the last zero-padded.
+template <class F>
+void widen_rows(const LinearArgs& a, int64_t m0, int64_t m1, int64_t chunks, float* out) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const uint16_t* x = a.x + m * a.ldx;
+    float* dst = out + (m - m0) * row_stride(chunks);
+    for (int64_t c = 0; c < chunks; ++c) {
+      Widened v;
+      if ((c + 1) * 16 <= a.K) {
+        v = F::activations(x + 16 * c);
+      } else {
+        alignas(32) uint16_t tail[16] = {};
+        std::memcpy(tail, x + 16 * c, (a.K - 16 * c) * sizeof(uint16_t));
+        v = F::activations(tail);
+      }
+      _mm256_store_ps(dst + 16 * c, v.even);
+      _mm256_store_ps(dst + 16 * c + 8, v.odd);
+    }
+  }
+}
+
+// out[i * kGroup + j] = the 8-lane partial sums of x row i (of the MB from xs, `stride` floats
+// apart) . W row j (of the NB from w, ldw apart). Per chunk, every W row is widened once and
+// every x half loaded once, each used for NB or MB FMAs: this CPU kind sustains about one
+// vector load per FMA pair (measured), so loads, not FMAs, bound a tile that reloads its
+// operands. `stream`: prefetch W ahead (its first pass over these rows).
+template <class F, int MB, int NB>
+void tile(const float* xs, int64_t stride, int64_t chunks, int64_t K, const typename F::T* w,
+          int64_t ldw, bool stream, __m256* out) {
+  using T = typename F::T;
+  constexpr int kChains = F::kSplit ? 2 : 1;
+  __m256 acc[kChains][MB][NB];
+#pragma GCC unroll 3
+  for (int h = 0; h < kChains; ++h)
+#pragma GCC unroll 3
+    for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 3
+      for (int j = 0; j < NB; ++j) acc[h][i][j] = _mm256_setzero_ps();
+  auto step = [&](int64_t c, const T* const (&chunk)[NB]) __attribute__((always_inline)) {
+    Widened v[NB];
+#pragma GCC unroll 3
+    for (int j = 0; j < NB; ++j) v[j] = F::weights(chunk[j]);
+#pragma GCC unroll 3
+    for (int i = 0; i < MB; ++i) {
+      const float* xr = xs + i * stride + c * 16;
+      const __m256 even = _mm256_load_ps(xr);
+#pragma GCC unroll 3
+      for (int j = 0; j < NB; ++j) acc[0][i][j] = _mm256_fmadd_ps(even, v[j].even, acc[0][i][j]);
+      const __m256 odd = _mm256_load_ps(xr + 8);
+#pragma GCC unroll 3
+      for (int j = 0; j < NB; ++j)
+        acc[kChains - 1][i][j] = _mm256_fmadd_ps(odd, v[j].odd, acc[kChains - 1][i][j]);
+    }
+  };
+  const int64_t full = K / 16;
+  constexpr int64_t kLine = 64 / (16 * sizeof(T));  // chunks per cache line
+  for (int64_t c = 0; c < full; ++c) {
+    const T* chunk[NB];
+#pragma GCC unroll 3
+    for (int j = 0; j < NB; ++j) {
+      chunk[j] = w + j * ldw + 16 * c;
+      if (stream && c % kLine == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk[j]) + kAhead, _MM_HINT_T0);
+    }
+    step(c, chunk);
+  }
+  if (full < chunks) {  // the last chunk, zero-padded
+    alignas(32) T tail[NB][16] = {};
+    const T* chunk[NB];
+    for (int j = 0; j < NB; ++j) {
+      std::memcpy(tail[j], w + j * ldw + 16 * full, (K - 16 * full) * sizeof(T));
+      chunk[j] = tail[j];
+    }
+    step(full, chunk);
+  }
+#pragma GCC unroll 3
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 3
+    for (int j = 0; j < NB; ++j)
+      out[i * kGroup + j] = F::kSplit ? _mm256_add_ps(acc[0][i][j], acc[kChains - 1][i][j])
+                                      : acc[0][i][j];
+}
+
+// A tile of MB rows of x by `width` (1..3) rows of W.
+template <class F, int MB>
+void tile_of(int width, const float* xs, int64_t stride, int64_t chunks, int64_t K,
+             const typename F::T* w, int64_t ldw, bool stream, __m256* out) {
+  switch (width) {
+    case 3:
+      if constexpr (F::kCols >= 3) return tile<F, MB, 3>(xs, stride, chunks, K, w, ldw, stream, out);
+      [[fallthrough]];
+    case 2: return tile<F, MB, 2>(xs, stride, chunks, K, w, ldw, stream, out);
+    default: return tile<F, MB, 1>(xs, stride, chunks, K, w, ldw, stream, out);
+  }
+}
+
+// The partial sums of every row of the pass (x widened in xs) with W's rows w .. w + width - 1
+// (width <= kGroup) into acc[i * kGroup + j]. One row of x (a decode step) reads W one row at a
+// time front to back; more rows go in tiles of F::kRows x rows by F::kCols W rows.
+template <class F>
+void rows_by_weights(const float* xs, int64_t chunks, int64_t K, int64_t rows,
+                     const typename F::T* w, int64_t ldw, int width, __m256* acc) {
+  const int64_t stride = row_stride(chunks);
+  if (rows == 1) {
+    for (int j = 0; j < width; ++j)
+      tile<F, 1, 1>(xs, stride, chunks, K, w + j * ldw, ldw, true, acc + j);
+    return;
+  }
+  for (int j = 0; j < width; j += F::kCols) {
+    const int cols = std::min(F::kCols, width - j);
+    int64_t i = 0;
+    for (; i + F::kRows <= rows; i += F::kRows)
+      tile_of<F, F::kRows>(cols, xs + i * stride, stride, chunks, K, w + j * ldw, ldw, i == 0,
+                           acc + i * kGroup + j);
+    for (; i < rows; ++i)  // the rows left
+      tile_of<F, 1>(cols, xs + i * stride, stride, chunks, K, w + j * ldw, ldw, i == 0,
+                    acc + i * kGroup + j);
+  }
+}
+
+// y[m, n0 : n0 + width] from its 8-lane partial sums `part` (width <= 8; unused slots zero):
+// each output's lanes summed, times its scale (int8 weights), plus its bias and residual,
+// rounded to bfloat16.
+inline void finish(const LinearArgs& a, int64_t m, int64_t n0, int width,
+                   const __m256 (&part)[8]) {
+  __m256 sums = lane_sums8(part);
+  uint16_t* y = a.y + m * a.ldy + n0;
+  if (width == 8) {
+    if (a.scale != nullptr) sums = _mm256_mul_ps(sums, _mm256_loadu_ps(a.scale + n0));
+    if (a.bias != nullptr) sums = _mm256_add_ps(sums, _mm256_loadu_ps(a.bias + n0));
+    if (a.residual != nullptr)
+      sums = _mm256_add_ps(sums, load_widen8(a.residual + m * a.ldy + n0));
+    store_bf16_8(y, sums);
+    return;
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, sums);
+  for (int j = 0; j < width; ++j) {
+    if (a.scale != nullptr) out[j] *= a.scale[n0 + j];
+    if (a.bias != nullptr) out[j] += a.bias[n0 + j];
+    if (a.residual != nullptr) {
+      const uint32_t bits = static_cast<uint32_t>(a.residual[m * a.ldy + n0 + j]) << 16;
+      float r;
+      std::memcpy(&r, &bits, sizeof r);
+      out[j] += r;
+    }
+    y[j] = round_bf16(out[j]);
+  }
+}
+
+// Every row of y for W's rows [n0, n1) (F::row: where row n of W is).
+template <class F>
+void columns(const LinearArgs& a, int64_t n0, int64_t n1) {
+  const int64_t chunks = (a.K + 15) / 16;
+  thread_local std::vector<float> scratch;
+  alignas(32) __m256 acc[kRowChunk * kGroup];
+  for (int64_t m0 = 0; m0 < a.M; m0 += kRowChunk) {
+    const int64_t rows = std::min(a.M - m0, kRowChunk);
+    scratch.resize(rows * row_stride(chunks) + 8);  // 32-byte aligned below
+    float* xs = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~static_cast<uintptr_t>(31));
+    widen_rows<F>(a, m0, m0 + rows, chunks, xs);
+    for (int64_t g = n0; g < n1; g += kGroup) {
+      const int width = static_cast<int>(std::min<int64_t>(kGroup, n1 - g));
+      rows_by_weights<F>(xs, chunks, a.K, rows, F::row(a, g), a.ldw, width, acc);
+      for (int64_t i = 0; i < rows; ++i) {
+        __m256 part[8];
+        for (int j = 0; j < 8; ++j)
+          part[j] = j < width ? acc[i * kGroup + j] : _mm256_setzero_ps();
+        finish(a, m0 + i, g, width, part);
+      }
+    }
+  }
+}
+
+}  // namespace agentflash_cpu::avx2
