@@ -228,10 +228,10 @@ class Runtime:
         the most tokens per unit of time given its acceptance so far and the step costs measured
         at load, and decodes token by token once speculation does not pay (same output either
         way); "always": every step verifies a full block. quantize="int8" or "int4": quantized
-        weights for the target's layers (CPU, bfloat16; engine.fastpath). compile: the decode step and
-        the drafter compiled ahead of time on CPU in bfloat16 (engine.compiled; the first load
-        on a machine compiles, ~1 min at 11m, later ones load from the disk cache; None: unless
-        $AGENTFLASH_COMPILE=0).
+        weights for the target's layers (CPU, bfloat16; engine.fastpath). compile: the decode
+        step and the drafter compiled ahead of time on CPU in bfloat16 (engine.compiled; the
+        first load on a machine compiles, ~1 min at 11m, later ones load from the disk cache;
+        None: unless $AGENTFLASH_COMPILE=0).
 
         Loading and the step-cost measurements run on a thread of their own that then exits
         (`_off_this_thread`), so the calling thread (usually the event loop's) never runs a

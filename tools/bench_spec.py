@@ -83,7 +83,8 @@ def main() -> None:
         g = torch.Generator().manual_seed(args.seed)
         prompts = torch.randint(0, model.config.vocab_size - 1,
                                 (args.prompts, args.prompt_len), generator=g).tolist()
-    cache = CacheConfig(16, 4 * (args.prompt_len + args.new_tokens) // 16 + 64)
+    longest = max(map(len, prompts))  # a prompts file's can be far longer than --prompt-len
+    cache = CacheConfig(16, 4 * (longest + args.new_tokens) // 16 + 64)
     sched = SchedulerConfig(max_running=1)
     results = {}
     with torch.inference_mode():

@@ -12,8 +12,8 @@ quantized model's own plain output); more rows (prefill chunks) are computed in 
 weight dequantized for the call. The model's head gets an int8 copy of its matrix too (tied
 embeddings keep theirs for the lookup): at Qwen3-0.6B's size it is a quarter of the weights.
 
-int4 (`Int4Linear`): four bits per weight instead of sixteen is a quarter of the bytes. torch's CPU int4
-matmul (`aten._weight_int4pack_mm_for_cpu`) reads 0.6B-shaped layer weights at 69 GB/s bf16
+int4 (`Int4Linear`): four bits per weight instead of sixteen is a quarter of the bytes. torch's
+CPU int4 matmul (`aten._weight_int4pack_mm_for_cpu`) reads 0.6B-shaped layer weights at 69 GB/s bf16
 equivalent for one row, against 24 GB/s for oneDNN's packed bf16 (2-core EPYC; docs/
 performance.md); for 16 rows it is slower than bf16 (10 against 18 GB/s), so verifying drafts
 costs more in plain steps than it does in bf16.

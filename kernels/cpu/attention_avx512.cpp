@@ -122,9 +122,9 @@ __attribute__((always_inline)) inline __m512 scores(const uint16_t* q, const __m
 // Up to 16 rows' state after a block (row[i] sees the block's first valid[i] keys, 1..16): their
 // scores, the online softmax step (running max and sum, the output rescaled by exp(old - new
 // max)), and the values weighted by the probabilities rounded to bfloat16 pairs. The rows go
-// together so their steps overlap; each lane of the cross-lane trees (simd_avx512.h) reduces one row's
-// vector by the same tree whatever its slot, so a row's result depends on its query and keys
-// alone.
+// together so their steps overlap; each lane of the cross-lane trees (simd_avx512.h) reduces one
+// row's vector by the same tree whatever its slot, so a row's result depends on its query and
+// keys alone.
 template <int D>
 __attribute__((always_inline)) inline void update_rows(Rows& st, const int64_t* row,
                                                        const uint16_t* const* q,

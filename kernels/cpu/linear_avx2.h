@@ -131,7 +131,8 @@ void tile_of(int width, const float* xs, int64_t stride, int64_t chunks, int64_t
              const typename F::T* w, int64_t ldw, bool stream, __m256* out) {
   switch (width) {
     case 3:
-      if constexpr (F::kCols >= 3) return tile<F, MB, 3>(xs, stride, chunks, K, w, ldw, stream, out);
+      if constexpr (F::kCols >= 3)
+        return tile<F, MB, 3>(xs, stride, chunks, K, w, ldw, stream, out);
       [[fallthrough]];
     case 2: return tile<F, MB, 2>(xs, stride, chunks, K, w, ldw, stream, out);
     default: return tile<F, MB, 1>(xs, stride, chunks, K, w, ldw, stream, out);
