@@ -143,7 +143,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_rows is None or x.numel() <= self.kernel_rows * self.in_features:
             return cpu_ops.linear_int8(x, self.qweight, self.scale, self.bias)
-        weight = self.qweight.float() * self.scale[:, None]
+        weight = self.qweight * self.scale[:, None]  # float32 by promotion: one pass
         return F.linear(x.float(), weight, self.bias).to(x.dtype)
 
     def kernel_only(self) -> Int8Linear:
