@@ -146,7 +146,7 @@ class ChatTurn:
                 elif isinstance(event, ParsedToolCall) and keep:
                     calls.append(ToolCall(opened.id if opened else _call_id(), event.name,
                                           event.arguments, event.arguments_text))
-                    out.append(CallChunk(len(calls) - 1, calls[-1]))
+                    out.append(CallChunk(len(calls) - 1, calls[-1], opened is not None))
                 elif isinstance(event, MalformedToolCall):
                     malformed.append(event)
                 if isinstance(event, (ParsedToolCall, MalformedToolCall)):

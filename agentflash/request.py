@@ -146,10 +146,12 @@ class CallArguments:
 
 @dataclass(frozen=True)
 class CallChunk:
-    """A complete tool call, the `index`-th of the reply."""
+    """A complete tool call, the `index`-th of the reply. `streamed`: its `CallStart` and
+    `CallArguments` came before it (a front end that forwarded those has sent it already)."""
 
     index: int
     call: ToolCall
+    streamed: bool = False
 
 
 @dataclass

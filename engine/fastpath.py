@@ -95,20 +95,24 @@ def _int4(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> No
     quantize_linears_int4(model.layers)
 
 
+def _head_as(model: CausalLM, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+             ) -> None:
+    """The head, while it is still the checkpoint's (tied, or an `nn.Linear`), becomes
+    make(weight, bias) on its matrix; a tied embedding keeps its matrix for the lookup."""
+    if model.lm_head is None:
+        model.lm_head = make(model.embed_tokens.weight, None)
+    elif isinstance(model.lm_head, nn.Linear):
+        model.lm_head = make(model.lm_head.weight, model.lm_head.bias)
+
+
 def _int8(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> None:
     quantize_linears_int8(model.layers)
-    if model.lm_head is None:  # tied: an int8 copy; the embedding lookup keeps its matrix
-        model.lm_head = Int8Linear(model.embed_tokens.weight, None)
-    elif isinstance(model.lm_head, nn.Linear):
-        model.lm_head = Int8Linear(model.lm_head.weight, model.lm_head.bias)
+    _head_as(model, Int8Linear)  # a tied head gets an int8 copy
 
 
 def _kernel_head(model: CausalLM) -> None:
     """The head through the CPU kernel, on the checkpoint's matrix (no copy)."""
-    if model.lm_head is None or isinstance(model.lm_head, nn.Linear):
-        weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.lm_head = KernelLinear(weight, None if model.lm_head is None
-                                                else model.lm_head.bias)
+    _head_as(model, KernelLinear)
 
 
 def _packs(model: CausalLM, quantize: str | None) -> bool:
@@ -116,10 +120,7 @@ def _packs(model: CausalLM, quantize: str | None) -> bool:
 
 
 def _pack(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> None:
-    if model.lm_head is None:  # tied: the head packs a copy, the embedding keeps its matrix
-        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
-    elif isinstance(model.lm_head, nn.Linear):
-        model.lm_head = PackedLinear.from_linear(model.lm_head)
+    _head_as(model, PackedLinear)  # a tied head packs a copy
     if layers:
         pack_linears(model.layers)
     if drafter is not None and layers:
@@ -137,8 +138,7 @@ def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: b
                     kind: type[KernelLinear] = WidenedLinear) -> None:
     """Every linear of the eager models, with a decode forward or not: prefill runs them (and
     the drafter's context projection with it)."""
-    if model.lm_head is None:  # tied: the head reads the embedding's matrix
-        model.lm_head = kind(model.embed_tokens.weight, None)
+    _head_as(model, kind)
     swap_linears(model, kind)
     if drafter is not None:
         if drafter.context_kv_proj is None:

@@ -174,10 +174,9 @@ class ChatAgentflash(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        streamed: set[int] = set()
         async with aclosing(self._events(messages, stop, kwargs)) as events:
             async for event in events:
-                chunk = self._chunk(event, streamed)
+                chunk = self._chunk(event)
                 if chunk is not None:
                     yield chunk
 
@@ -191,10 +190,9 @@ class ChatAgentflash(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        streamed: set[int] = set()
         with closing(_blocking(self._events(messages, stop, kwargs))) as events:
             for event in events:
-                chunk = self._chunk(event, streamed)
+                chunk = self._chunk(event)
                 if chunk is not None:
                     yield chunk
 
@@ -208,22 +206,21 @@ class ChatAgentflash(BaseChatModel):
                         for c in reply.tool_calls],
             usage_metadata=_usage_metadata(reply), response_metadata=self._metadata(reply)))])
 
-    def _chunk(self, event: ChatEvent, streamed: set[int]) -> ChatGenerationChunk | None:
+    def _chunk(self, event: ChatEvent) -> ChatGenerationChunk | None:
         """The stream's chunk for `event`: text, a tool call as it is written (its id and name,
-        then pieces of its arguments) or whole (unless it came in pieces: `streamed` holds
-        those), or (last) the usage."""
+        then pieces of its arguments) or whole (unless it came in pieces), or (last) the
+        usage."""
         if isinstance(event, TextChunk):
             return ChatGenerationChunk(message=AIMessageChunk(content=event.text)) \
                 if event.text else None
         if isinstance(event, CallStart):
-            streamed.add(event.index)
             return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
                 tool_call_chunk(name=event.name, id=event.id, index=event.index, args="")]))
         if isinstance(event, CallArguments):
             return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
                 tool_call_chunk(name=None, id=None, index=event.index, args=event.text)]))
         if isinstance(event, CallChunk):
-            if event.index in streamed:
+            if event.streamed:
                 return None
             call = event.call
             return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[

@@ -120,15 +120,12 @@ class AgentflashModel(Model):
     async def _chunks(self, turn: Turn, span: Span[GenerationSpanData],
                       tracing: ModelTracing) -> AsyncGenerator[ChatCompletionChunk, None]:
         """The turn's events as the Chat Completions chunks the SDK's stream handler reads."""
-        streamed: set[int] = set()  # calls that came piece by piece
         async with aclosing(turn.events()) as events:
             async for event in events:
                 if isinstance(event, ChatReply):
                     _trace(span, event, tracing)
-                if isinstance(event, CallStart):
-                    streamed.add(event.index)
-                elif isinstance(event, CallChunk) and event.index in streamed:
-                    continue
+                if isinstance(event, CallChunk) and event.streamed:
+                    continue  # sent piece by piece
                 yield self._chunk(event)
 
     def _chunk(self, event: ChatEvent) -> ChatCompletionChunk:

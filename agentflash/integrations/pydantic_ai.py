@@ -184,7 +184,6 @@ class AgentflashStreamedResponse(StreamedResponse):
     _timestamp: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
     async def _get_event_iterator(self) -> AsyncIterator[ModelResponseStreamEvent]:
-        streamed: set[int] = set()  # calls that came piece by piece
         with _mapped_errors(self._model_name):
             async for event in self._events:
                 if isinstance(event, TextChunk) and event.text:
@@ -193,7 +192,6 @@ class AgentflashStreamedResponse(StreamedResponse):
                             ignore_leading_whitespace=True):
                         yield e
                 elif isinstance(event, CallStart):  # the call as it is written
-                    streamed.add(event.index)
                     for e in self._parts_manager.handle_tool_call_delta_events(
                             vendor_part_id=event.index, tool_name=event.name,
                             tool_call_id=event.id):
@@ -202,7 +200,7 @@ class AgentflashStreamedResponse(StreamedResponse):
                     for e in self._parts_manager.handle_tool_call_delta_events(
                             vendor_part_id=event.index, args=event.text):
                         yield e
-                elif isinstance(event, CallChunk) and event.index not in streamed:
+                elif isinstance(event, CallChunk) and not event.streamed:
                     yield self._parts_manager.handle_tool_call_part(
                         vendor_part_id=event.index, tool_name=event.call.name,
                         args=event.call.arguments, tool_call_id=event.call.id)

@@ -332,7 +332,6 @@ async def _chat_chunks(server: Server, body: ChatCompletionRequest,
         return out
 
     started: set[int] = set()
-    streamed: set[tuple[int, int]] = set()  # (choice, call) pairs sent as they were written
     async for index, event in _chat_events(server, body, turns):
         if index == -1:
             if include_usage:
@@ -347,14 +346,13 @@ async def _chat_chunks(server: Server, body: ChatCompletionRequest,
                 continue
             delta: dict[str, Any] = {"content": event.text}
         elif isinstance(event, CallStart):  # OpenAI's shape: id and name, then arguments
-            streamed.add((index, event.index))
             delta = {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
                                      "function": {"name": event.name, "arguments": ""}}]}
         elif isinstance(event, CallArguments):
             delta = {"tool_calls": [{"index": event.index,
                                      "function": {"arguments": event.text}}]}
         elif isinstance(event, CallChunk):
-            if (index, event.index) in streamed:
+            if event.streamed:
                 continue  # already sent piece by piece
             delta = {"tool_calls": [tool_call_body(event.call, event.index)]}
         else:
