@@ -5,7 +5,8 @@
   (linear.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in its plain
   layout.
 - `linear_int8(x, qweight, scale, bias)`: the same for int8 weights with a float32 scale per
-  output row (half the bytes of bfloat16; linear_int8.cpp, the AVX2 code in every build).
+  output row (half the bytes of bfloat16): int8 turned into bfloat16 in registers (AVX512-BF16)
+  or into float32 (AVX2).
 - `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
   each query over its sequence's keys in the paged pool, read in place through its page table
   (attention.cpp): no gathered copy of the context, no batched-matmul calls.
@@ -40,7 +41,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).with_name("cpu")
-COMMON = ("linear.cpp", "attention.cpp", "linear_int8.cpp")
+COMMON = ("linear.cpp", "attention.cpp")
 HEADERS = ("kernels.h", "simd_avx512.h", "simd_avx2.h", "linear_avx2.h")
 
 
@@ -59,7 +60,7 @@ ISAS = (  # in order of preference
         ("linear_avx512.cpp", "attention_avx512.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")),
-    Isa("avx2", ("avx2", "fma"), ("linear_avx2.cpp", "attention_avx2.cpp"),
+    Isa("avx2", ("avx2", "fma"), ("linear_avx2.cpp", "linear_int8_avx2.cpp", "attention_avx2.cpp"),
         ("-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")),
 )
 

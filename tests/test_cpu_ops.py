@@ -27,21 +27,36 @@ def _bf16(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
+def _weights(fmt, n, k):
+    """(the op as y = f(x, bias, residual), its weight in float32) for a random weight."""
+    if fmt == "bf16":
+        w = _bf16(n, k, seed=0)
+        return (lambda x, b, r=None: torch.ops.agentflash.linear_bf16(x, w, b, r)), w.float()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.02 + 0.001
+    return ((lambda x, b, r=None: torch.ops.agentflash.linear_int8(x, q, scale, b, r)),
+            q.float() * scale[:, None])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
 @pytest.mark.parametrize("n,k", [(384, 384), (2048, 384), (1024, 3072), (203, 200), (5, 37)])
-def test_linear_matches_float32_and_rows_are_independent(n, k):
-    w, b, x = _bf16(n, k, seed=0), _bf16(n, seed=1), _bf16(70, k, seed=2)
-    y = cpu_ops.linear(x, w, b)
-    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+def test_linear_matches_float32_and_rows_are_independent(fmt, n, k):
+    op, w = _weights(fmt, n, k)
+    b, x = _bf16(n, seed=1), _bf16(70, k, seed=2)
+    y = op(x, b)
+    want = torch.nn.functional.linear(x.float(), w, b.float())
     # one bfloat16 rounding of a float32 sum: within bf16's relative step of the largest output
     assert (y.float() - want).abs().max() <= want.abs().max() * 2 ** -7
     for rows in (slice(0, 1), slice(3, 4), slice(5, 21), slice(64, 70), slice(1, 70)):
-        assert torch.equal(cpu_ops.linear(x[rows], w, b), y[rows])
-    assert torch.equal(cpu_ops.linear(x.t().contiguous().t(), w, b), y)  # strided x
-    assert torch.equal(cpu_ops.linear(x[None, :8], w, b)[0], y[:8])      # leading dims
+        assert torch.equal(op(x[rows], b), y[rows])
+    assert torch.equal(op(x.t().contiguous().t(), b), y)  # strided x
     r = _bf16(70, n, seed=4)  # a residual is added before the one rounding
-    with_r, want_r = cpu_ops.linear(x, w, b, residual=r), want + r.float()
+    with_r, want_r = op(x, b, r), want + r.float()
     assert (with_r.float() - want_r).abs().max() <= want_r.abs().max() * 2 ** -7
-    assert torch.equal(cpu_ops.linear(x[5:21], w, b, residual=r[5:21]), with_r[5:21])
+    assert torch.equal(op(x[5:21], b, r[5:21]), with_r[5:21])
+    if fmt == "bf16":  # the Python wrapper takes leading dims
+        assert torch.equal(cpu_ops.linear(x[None, :8], _bf16(n, k, seed=0), b)[0], y[:8])
 
 
 def test_linear_refuses_what_it_does_not_compute():

@@ -34,8 +34,7 @@ struct LinearArgs {
   const float* scale = nullptr;  // [N] float32: qw's row scales
 };
 
-// Every row of y for W's rows [n0, n1): bfloat16 W (this instruction set's kernel), int8 W
-// (the AVX2 kernel, in every library).
+// Every row of y for W's rows [n0, n1): bfloat16 W, int8 W (this instruction set's kernels).
 void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1);
 void linear_int8_columns(const LinearArgs& a, int64_t n0, int64_t n1);
 

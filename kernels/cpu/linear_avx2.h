@@ -1,8 +1,8 @@
 // The AVX2 (+FMA) linear kernel, for weights widened to float32 in registers: bfloat16 weights
-// (linear_avx2.cpp, on CPUs without native bf16 arithmetic) and int8 weights with a float32
-// scale per row (linear_int8.cpp, on every CPU with AVX2). A format F says how 16 elements of a
-// W row and of an x row become two float32 vectors (the same split for both, so that their
-// products pair up) and where W's rows are.
+// (linear_avx2.cpp) and int8 weights with a float32 scale per row (linear_int8_avx2.cpp), on
+// CPUs without native bf16 arithmetic. A format F says how 16 elements of a W row and of an x
+// row become two float32 vectors (the same split for both, so that their products pair up) and
+// where W's rows are.
 //
 // Every output y[m, n] is one dot product of x's row m and W's row n over K in 16-element
 // chunks: one 8-lane accumulator takes the products of the first, then of the second vector of

@@ -1,9 +1,8 @@
-// The int8-weight linear (linear.cpp's `linear_int8_columns`, kernels.h): y = (x . q) * scale
-// for int8 weights q [N, K] with one float32 scale per row, bfloat16 x and y. Built into every
-// library of the CPU kernels (AVX2 code: the AVX512 builds run it too), with linear_avx2.h's
-// kernel: a chunk of 16 int8 weights becomes its first and its second 8 as float32 (exact), x's
-// chunk the same halves of its bfloat16 values. A decode step reads half the bytes of bfloat16
-// weights.
+// The AVX2 (+FMA) implementation of linear.cpp's `linear_int8_columns` (kernels.h): y = (x . q)
+// * scale for int8 weights q [N, K] with one float32 scale per row, bfloat16 x and y (the
+// AVX512-BF16 library has its own: linear_avx512.cpp), with linear_avx2.h's kernel: a chunk
+// of 16 int8 weights becomes its first and its second 8 as float32 (exact), x's chunk the same
+// halves of its bfloat16 values. A decode step reads half the bytes of bfloat16 weights.
 
 #include "linear_avx2.h"
 
