@@ -8,8 +8,9 @@ int8 (`Int8Linear`): each output row's weights get one float32 scale, w ~ q * sc
 -127..127 and scale = max |w| / 127 (symmetric, per channel). Rows of a decode step or a verify
 block go through agentflash's int8 CPU kernel (kernels.cpu_ops.linear_int8: half the bytes of
 bfloat16, every row computed the same way whatever the call, so speculative output equals the
-quantized model's own plain output); more rows (prefill chunks) are computed in float32 on the
-weight dequantized for the call. The model's head gets an int8 copy of its matrix too (tied
+quantized model's own plain output); more rows (prefill chunks) are a bfloat16 matmul on the
+int8 values scaled after it where the CPU has native bf16, else float32 on the weight
+dequantized for the call. The model's head gets an int8 copy of its matrix too (tied
 embeddings keep theirs for the lookup): at Qwen3-0.6B's size it is a quarter of the weights.
 
 int4 (`Int4Linear`): four bits per weight instead of sixteen is a quarter of the bytes. torch's
@@ -36,6 +37,7 @@ from torch import nn
 
 from agentflash.kernels import cpu_ops
 
+from ..device import cpu_has_native_bf16
 from .kernel_linear import WIDEN_ROWS
 
 GROUP_SIZE = 128
@@ -128,7 +130,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 rows and a float32 scale per row (CPU; bfloat16
     activations; inference only): the kernel for up to `kernel_rows` rows (None: every call),
-    float32 on the dequantized weight for more."""
+    a matmul for more (module docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  kernel_rows: int | None = WIDEN_ROWS) -> None:
@@ -143,8 +145,14 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_rows is None or x.numel() <= self.kernel_rows * self.in_features:
             return cpu_ops.linear_int8(x, self.qweight, self.scale, self.bias)
-        weight = self.qweight * self.scale[:, None]  # float32 by promotion: one pass
-        return F.linear(x.float(), weight, self.bias).to(x.dtype)
+        if x.dtype == torch.bfloat16 and cpu_has_native_bf16():
+            # a bf16 matmul on the int8 values (exact in bf16), scaled after: 3x float32's
+            # speed at 512 rows on AVX512-BF16 (the product rounded to bf16 once more)
+            y = F.linear(x, self.qweight.to(x.dtype)).float() * self.scale
+        else:
+            weight = self.qweight * self.scale[:, None]  # float32 by promotion: one pass
+            y = F.linear(x.float(), weight)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
 
     def kernel_only(self) -> Int8Linear:
         """The same layer (sharing its buffers) with every call through the kernel: what a
