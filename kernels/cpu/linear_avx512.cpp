@@ -167,13 +167,18 @@ void group(const Args& a, int64_t m0, int64_t m1, int64_t n0) {
       const int64_t ld = (a.K + 31) / 32 * 32;
       thread_local std::vector<uint16_t> scratch;
       scratch.resize(kTile * ld);
-      for (int j = 0; j < NB; ++j)
-        for (int64_t k = 0; k < a.K; k += 32) {
-          const __mmask32 mask = k + 32 <= a.K ? ~__mmask32{0} : (__mmask32{1} << (a.K - k)) - 1;
-          _mm512_storeu_si512(scratch.data() + j * ld + k,
-                              (__m512i)F::template load<true>(w + j * a.ldw + k, mask));
-        }
-      return rows<Bf16Weights, NB>(a, m0, m1, n0, scratch.data(), ld, scratch.data());
+      uint16_t* buf = scratch.data();
+      for (int j = 0; j < NB; ++j) {
+        const T* src = w + j * a.ldw;
+        uint16_t* dst = buf + j * ld;
+        int64_t k = 0;
+        for (; k + 32 <= a.K; k += 32)
+          _mm512_storeu_si512(dst + k, (__m512i)F::template load<false>(src + k, 0));
+        if (k < a.K)
+          _mm512_storeu_si512(dst + k, (__m512i)F::template load<true>(
+                                           src + k, (__mmask32{1} << (a.K - k)) - 1));
+      }
+      return rows<Bf16Weights, NB>(a, m0, m1, n0, buf, ld, buf);
     }
   }
   rows<F, NB>(a, m0, m1, n0, w, a.ldw, next);
