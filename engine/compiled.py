@@ -334,7 +334,8 @@ def _compile(make: Callable[[], tuple], path: Path) -> None:
 
 
 def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
-    """Rewrite `linear_bf16(x, w, b) + r` as `linear_bf16(x, w, b, residual=r)`, in place.
+    """Rewrite `linear_bf16(x, w, b) + r` as `linear_bf16(x, w, b, residual=r)` (and the same for
+    `linear_int8(x, q, scale, b)`), in place.
 
     The residual stream is then written by the kernel, rounded once to bfloat16, as oneDNN's
     fused add wrote it. Left to Inductor, the add fuses with what reads it, and whether a reader
@@ -342,21 +343,27 @@ def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
     differs between the target's program alone and the one that also stores the drafter's
     context (which reads the residual stream of some layers), and a plain engine's rows would
     not be a speculative engine's rows bit for bit. Returns how many adds were folded."""
-    linear = torch.ops.agentflash.linear_bf16.default
+    # each op and how many arguments it takes before the residual
+    linears = {torch.ops.agentflash.linear_bf16.default: 3,
+               torch.ops.agentflash.linear_int8.default: 4}
     graph = program.graph_module.graph
     folded = 0
     for node in list(graph.nodes):
         if node.target is not torch.ops.aten.add.Tensor or node.kwargs or len(node.args) != 2:
             continue
         for lin, other in (node.args, node.args[::-1]):
-            if (isinstance(lin, torch.fx.Node) and lin.target is linear and len(lin.users) == 1
-                    and len(lin.args) + len(lin.kwargs) <= 3 and isinstance(other, torch.fx.Node)
+            if not (isinstance(lin, torch.fx.Node) and lin.target in linears):
+                continue
+            before = linears[lin.target]
+            if (len(lin.users) == 1 and len(lin.args) + len(lin.kwargs) <= before
+                    and isinstance(other, torch.fx.Node)
                     and other.meta["val"].shape == node.meta["val"].shape
                     and other.meta["val"].dtype == torch.bfloat16):
-                x, weight = lin.args[:2]
-                bias = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
+                schema = lin.target._schema.arguments[:before]
+                args = [lin.args[i] if i < len(lin.args) else lin.kwargs.get(a.name, a.default_value)
+                        for i, a in enumerate(schema)]
                 with graph.inserting_before(node):
-                    fused = graph.call_function(linear, (x, weight, bias, other))
+                    fused = graph.call_function(lin.target, (*args, other))
                 fused.meta = dict(node.meta)
                 node.replace_all_uses_with(fused)
                 graph.erase_node(node)

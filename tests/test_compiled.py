@@ -4,6 +4,7 @@ Greedy speculative output equal to plain through it: tests/test_embedded.py (com
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -17,6 +18,7 @@ from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.packed import packing_available
+from agentflash.engine.models.quantized import quantize_linears_int8
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 
@@ -122,10 +124,17 @@ def test_the_drafter_runs_compiled_and_its_context_is_stored_by_the_target_progr
     assert cos.min() > 0.999, cos
 
 
-def test_a_plain_engines_rows_are_a_speculative_engines_rows(model):
+@pytest.mark.parametrize("quantize", [None, pytest.param("int8", marks=pytest.mark.skipif(
+    not cpu_ops.available(), reason="int8 needs the CPU kernels"))])
+def test_a_plain_engines_rows_are_a_speculative_engines_rows(model, quantize):
     """The target's program alone and the one that also stores the drafter's context compute
-    the same rows bit for bit (greedy DFlash equals plain across the two engines)."""
+    the same rows bit for bit (greedy DFlash equals plain across the two engines), with bf16 and
+    with int8 weights (each residual add folded into its linear: left to Inductor, the int8
+    programs gave different bits)."""
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+    if quantize == "int8":
+        model = copy.deepcopy(model)
+        quantize_linears_int8(model.layers)
     plain = CompiledForward.build(model, page_size=PAGE)
     spec = CompiledForward.build(model, drafter, page_size=PAGE)
     tokens = [(31 * i + 7) % model.config.vocab_size for i in range(16)]
