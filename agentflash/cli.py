@@ -47,9 +47,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
     p.add_argument("--device", default="auto", help="cpu|cuda|auto")
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="int8 (per-channel) or int4 (grouped) weights for the model's layers "
-                   "(CPU, bfloat16)")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8 (per-channel) weights for the model's layers (CPU, bfloat16)")
     p.add_argument("--no-compile", action="store_true",
                    help="run the decode step eager (no compiled program; engine.compiled)")
     p.add_argument("--page-size", type=int, default=16)

@@ -227,8 +227,8 @@ class Runtime:
         speculation="auto": after 4 full blocks, each request verifies as many drafts as commit
         the most tokens per unit of time given its acceptance so far and the step costs measured
         at load, and decodes token by token once speculation does not pay (same output either
-        way); "always": every step verifies a full block. quantize="int8" or "int4": quantized
-        weights for the target's layers (CPU, bfloat16; engine.fastpath). compile: the decode
+        way); "always": every step verifies a full block. quantize="int8": int8 weights for
+        the target's layers (CPU, bfloat16; engine.fastpath). compile: the decode
         step and the drafter compiled ahead of time on CPU in bfloat16 (engine.compiled; the
         first load on a machine compiles, ~1 min at 11m, later ones load from the disk cache;
         None: unless $AGENTFLASH_COMPILE=0).

@@ -118,7 +118,7 @@ class Engine:
         faster; the models stay usable for inference only); False keeps them as given.
         compile: with the fast path on CPU in bfloat16, compile the decode/verify forward ahead
         of time (engine.compiled; cached on disk, so ~35 s once per model and machine at 11m;
-        None: unless $AGENTFLASH_COMPILE=0). quantize="int8" or "int4": quantized weights for the
+        None: unless $AGENTFLASH_COMPILE=0). quantize="int8": int8 weights for the
         target's layers (CPU, bfloat16; other numbers than the checkpoint's, so only when asked
         for; engine.fastpath)."""
         cfg = model.config

@@ -36,15 +36,12 @@ serves every decode and verify row, so speculative output equals plain output wi
   greedy speculative output still equals plain output. Where compiling fails (no C++ compiler,
   an unsupported op), a warning says why and the engine runs eager.
 
-Two transformations change the numbers and so run only when asked for (`quantize=`):
-- `int8-weights` (`"int8"`; CPU, bfloat16, where agentflash's CPU kernels run): the target's
-  decoder linears and its head become per-channel int8 (engine.models.quantized.Int8Linear;
-  a tied head gets an int8 copy, the embedding keeps its matrix); the drafter stays bfloat16.
-  Half the bytes a decode step reads.
-- `int4-weights` (`"int4"`; CPU, bfloat16): the target's decoder linears become group-wise int4
-  (engine.models.quantized); the lm_head, the embedding and the drafter stay bfloat16 (the
-  drafter runs on 16 rows a forward, where the int4 kernel is slower than packed bf16).
-Either way greedy speculative output equals the quantized target's plain output, bit for bit.
+One transformation changes the numbers and so runs only when asked for (`quantize="int8"`):
+- `int8-weights` (CPU, bfloat16, where agentflash's CPU kernels run): the target's decoder
+  linears and its head become per-channel int8 (engine.models.quantized.Int8Linear; a tied head
+  gets an int8 copy, the embedding keeps its matrix); the drafter stays bfloat16. Half the
+  bytes a decode step reads. Greedy speculative output equals the quantized target's plain
+  output, bit for bit.
 
 Hybrid targets (Qwen3.5, engine.models.qwen3_5) run eager; in bfloat16 on a CPU without native
 bf16 matmuls their linears run the CPU kernel (`cpu-kernel-linears`), else they are as loaded.
@@ -68,15 +65,14 @@ from .forward import DecodeForward, DraftForward
 from .models.dflash import DFlashDraftModel
 from .models.kernel_linear import KernelLinear, WidenedLinear, swap_linears
 from .models.packed import PackedLinear, pack_linears, packing_available
-from .models.quantized import (Int8Linear, int4_available, quantize_linears_int4,
-                               quantize_linears_int8)
+from .models.quantized import Int8Linear, quantize_linears_int8
 from .models.qwen3 import CausalLM
 from .models.qwen3_5 import HybridCausalLM
 
 log = logging.getLogger(__name__)
 
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -89,10 +85,6 @@ class FastPath:
 def _cpu_bf16(model: CausalLM) -> bool:
     weight = model.embed_tokens.weight
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-
-
-def _int4(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> None:
-    quantize_linears_int4(model.layers)
 
 
 def _head_as(model: CausalLM, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
@@ -149,7 +141,6 @@ def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: b
 
 FAST_PATHS: list[FastPath] = [  # in order: quantization first, the layouts take what is left
     FastPath("int8-weights", lambda model, quantize: quantize == "int8", _int8),
-    FastPath("int4-weights", lambda model, quantize: quantize == "int4", _int4),
     FastPath("onednn-packed-bf16", _packs, _pack),
     FastPath("widened-bf16-linears", _kernels_everywhere, _kernel_linears),
 ]
@@ -172,15 +163,14 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
             quantize: str | None = None, compile: bool | None = None,
             block_size: int = 16, page_size: int = 16) -> Prepared:
     """Apply, in place, every registered transformation that applies to `model` (and its
-    drafter). Models stay usable for inference only. quantize="int8" or "int4" asks for
-    quantized weights (CPU, bfloat16 only, and int8 where the CPU kernels run: ValueError
-    elsewhere). compile: build (or load) the compiled
+    drafter). Models stay usable for inference only. quantize="int8" asks for quantized
+    weights (CPU, bfloat16 only, where the CPU kernels run: ValueError elsewhere). compile: build (or load) the compiled
     decode/verify forward and the drafter's forward for `block_size` (None: unless
     $AGENTFLASH_COMPILE=0); where none is made and the CPU kernels run, the same forwards run
     eager on them. A hybrid model is left as it is."""
     if isinstance(model, HybridCausalLM):
         # The compiled step exports CausalLM's forward over paged attention alone (no recurrent
-        # states to carry), and packing and int4 were never checked against transformers on
+        # states to carry), and packing and int8 were never checked against transformers on
         # the DeltaNet layers (conv1d, gated norm): hybrid models run eager until they are,
         # with every linear on the CPU kernel where torch would emulate bf16 matmuls.
         if quantize is not None:
@@ -198,12 +188,9 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
         if not _cpu_bf16(model):
             raise ValueError(f"quantize={quantize!r} needs a bfloat16 model on CPU; this one is "
                              f"{weight.dtype} on {weight.device}")
-        if quantize == "int8" and not cpu_ops.available():
+        if not cpu_ops.available():
             raise ValueError(f"quantize='int8' needs agentflash's CPU kernels, which do not run "
                              f"here: {cpu_ops.load()}")
-        if quantize == "int4" and not int4_available():
-            raise ValueError("quantize='int4' needs torch's CPU int4 kernel "
-                             "(aten._weight_int4pack_mm_for_cpu), which this torch lacks")
     if _cpu_bf16(model) and not packing_available() and not cpu_ops.available():
         log.warning("neither oneDNN bfloat16 matmuls with prepacked weights nor agentflash's "
                     "CPU kernels run here (%s): bfloat16 linear layers run unpacked and slow; "

@@ -415,7 +415,7 @@ def test_hybrid_models_skip_the_fast_path(hybrid: tuple[Path, Any]) -> None:
     kernels = not packing_available() and cpu_ops.available()
     assert engine.fast_paths == (["cpu-kernel-linears"] if kernels else [])
     with pytest.raises(ValueError, match="hybrid"):
-        Engine(model, cache=CACHE, quantize="int4")
+        Engine(model, cache=CACHE, quantize="int8")
 
 
 @pytest.mark.anyio

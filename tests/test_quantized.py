@@ -1,5 +1,5 @@
-"""Weight-only int8 and int4 (engine.models.quantized, Engine(quantize=...)): each layer computes
-what its dequantized weight does, its kernel rows do not depend on how many share a call, and
+"""Weight-only int8 (engine.models.quantized, Engine(quantize="int8")): each layer computes what
+its dequantized weight does, its kernel rows do not depend on how many share a call, and
 speculative greedy output equals the quantized model's own plain output."""
 
 from __future__ import annotations
@@ -15,18 +15,14 @@ from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.packed import packing_available
 from agentflash.engine.models.kernel_linear import WIDEN_ROWS, with_kernel_linears
-from agentflash.engine.models.quantized import (GROUP_SIZE, Int4Linear, Int8Linear, dequantize,
-                                                fits, int4_available, quantize_int8,
-                                                quantize_weight)
+from agentflash.engine.models.quantized import Int8Linear, quantize_int8
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 
 from conftest import assert_rows_independent, random_linear_case
 
-needs_int4 = pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel in this torch")
 needs_int8 = pytest.mark.skipif(not cpu_ops.available(), reason="agentflash's CPU kernels do "
                                 "not run here")
-QUANTIZED = {"int8": (Int8Linear, needs_int8), "int4": (Int4Linear, needs_int4)}
 
 
 def test_int8_error_is_within_half_a_step():
@@ -56,47 +52,16 @@ def test_int8_linear_is_its_dequantized_weight_and_row_invariant(shape, bias):
     assert_rows_independent(kernel, x[:20])
 
 
-@needs_int4
-def test_int4_error_is_within_half_a_step():
-    g = torch.Generator().manual_seed(0)
-    w = (torch.randn(64, 4 * GROUP_SIZE, generator=g) * 3).to(torch.bfloat16)
-    q, scales_zeros = quantize_weight(w)
-    assert q.min() >= 0 and q.max() <= 15
-    step = scales_zeros[..., 0].float().transpose(0, 1).repeat_interleave(GROUP_SIZE, 1)
-    err = (dequantize(q, scales_zeros) - w.float()).abs()
-    # half a step, plus what rounding scale and zero to bfloat16 moves the grid at its ends
-    assert (err <= 0.55 * step).all()
-
-
-@needs_int4
-@pytest.mark.parametrize("shape", [(1152, 384), (384, 1024), (1024, 3072)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_int4_linear_is_its_dequantized_weight_and_row_invariant(shape, bias):
-    w, b, x = random_linear_case(*shape, bias)
-    layer = Int4Linear(w, b)
-    want = F.linear(x.float(), dequantize(*quantize_weight(w)), None if b is None else b.float())
-    got = layer(x).float()
-    assert (got - want).abs().max() <= 0.02 * want.abs().max()  # bf16 output rounding
-    assert_rows_independent(layer, x)
-
-
-def test_shapes_the_kernel_does_not_take_stay_as_they_were():
-    assert fits(torch.zeros(48, GROUP_SIZE)) and not fits(torch.zeros(40, GROUP_SIZE))
-    assert not fits(torch.zeros(48, GROUP_SIZE + 8))
-
-
-@pytest.mark.parametrize("quantize", [pytest.param(name, marks=mark)
-                                      for name, (_, mark) in QUANTIZED.items()])
-def test_quantized_engine_speculates_losslessly(quantize):
+@needs_int8
+def test_quantized_engine_speculates_losslessly():
     path = embedded_model_dir()
     target = load_model(path, dtype=torch.bfloat16)
     drafter = load_drafter(model_drafter_dir(path), target)
-    plain = Engine(target, quantize=quantize)
-    assert plain.fast_paths[0] == f"{quantize}-weights"
+    plain = Engine(target, quantize="int8")
+    assert plain.fast_paths[0] == "int8-weights"
     assert ("onednn-packed-bf16" in plain.fast_paths) == packing_available()
-    layer, _ = QUANTIZED[quantize]
-    assert isinstance(target.layers[0].self_attn.qkv_proj, layer)
-    assert isinstance(target.lm_head, Int8Linear) == (quantize == "int8")
+    assert isinstance(target.layers[0].self_attn.qkv_proj, Int8Linear)
+    assert isinstance(target.lm_head, Int8Linear)
     prompts = [[(7 * i + 11 * j) % 4000 + 5 for i in range(n)] for j, n in
                enumerate((40, 300, 700))]
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
@@ -127,8 +92,8 @@ def test_int8_keeps_the_trained_model_greedy_output():
 def test_bad_quantize_requests_are_clear():
     model = load_model(embedded_model_dir(), dtype=torch.float32)
     with pytest.raises(ValueError, match="bfloat16 model on CPU"):
-        Engine(model, quantize="int4")
+        Engine(model, quantize="int8")
     with pytest.raises(ValueError, match="choose from"):
-        Engine(model, quantize="int3")
+        Engine(model, quantize="int4")  # removed: slower than int8 (docs/performance.md)
     with pytest.raises(ValueError, match="needs the fast path"):
-        Engine(model, quantize="int4", fast_path=False)
+        Engine(model, quantize="int8", fast_path=False)

