@@ -106,12 +106,13 @@ void tile(const Args& a, int64_t m0, int64_t n0, const typename F::T* w, int64_t
     // L3; a software prefetch ahead of it, at 512 B to 4 KB, made it slower).
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
-      __m512 (&one)[1][1] = reinterpret_cast<__m512 (&)[1][1]>(acc[0][j]);
+      __m512 one[1][1] = {{acc[0][j]}};
       const T* row = w + j * ldw;
       int64_t k = 0;
       for (; k + 32 <= a.K; k += 32)
         step<F, 1, 1, false, false>(one, x, a.ldx, row, ldw, row, k, a.K);
       if (k < a.K) step<F, 1, 1, true, false>(one, x, a.ldx, row, ldw, row, k, a.K);
+      acc[0][j] = one[0][0];
     }
   } else {
     int64_t k = 0;
