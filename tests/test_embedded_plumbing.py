@@ -110,7 +110,9 @@ def test_missing_embedded_model_is_a_checkpoint_error(fake_embedded, capsys):
 def test_package_data_globs_cover_the_layout(tmp_path):
     tomllib = pytest.importorskip("tomllib")
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-    globs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["agentflash"]
+    setuptools = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
+    assert "agentflash.checkpoints" in setuptools["packages"]
+    globs = setuptools["package-data"]["agentflash.checkpoints"]
     model = tmp_path / "checkpoints" / EMBEDDED_MODEL
     files = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
              "tokenizer_config.json", "drafter/config.json", "drafter/model.safetensors"]
@@ -118,8 +120,8 @@ def test_package_data_globs_cover_the_layout(tmp_path):
         (model / f).parent.mkdir(parents=True, exist_ok=True)
         (model / f).write_text("x")
     # setuptools expands each pattern with glob relative to the package and keeps files only
-    found = {os.path.relpath(p, model) for g in globs for p in glob.glob(str(tmp_path / g))
-             if os.path.isfile(p)}
+    found = {os.path.relpath(p, model) for g in globs
+             for p in glob.glob(str(tmp_path / "checkpoints" / g)) if os.path.isfile(p)}
     assert found == set(files)
 
 
