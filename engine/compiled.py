@@ -343,9 +343,7 @@ def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
     differs between the target's program alone and the one that also stores the drafter's
     context (which reads the residual stream of some layers), and a plain engine's rows would
     not be a speculative engine's rows bit for bit. Returns how many adds were folded."""
-    # each op and how many arguments it takes before the residual
-    linears = {torch.ops.agentflash.linear_bf16.default: 3,
-               torch.ops.agentflash.linear_int8.default: 4}
+    linears = (torch.ops.agentflash.linear_bf16.default, torch.ops.agentflash.linear_int8.default)
     graph = program.graph_module.graph
     folded = 0
     for node in list(graph.nodes):
@@ -354,14 +352,15 @@ def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
         for lin, other in (node.args, node.args[::-1]):
             if not (isinstance(lin, torch.fx.Node) and lin.target in linears):
                 continue
-            before = linears[lin.target]
+            schema = lin.target._schema.arguments  # the residual is the last argument
+            before = len(schema) - 1
             if (len(lin.users) == 1 and len(lin.args) + len(lin.kwargs) <= before
                     and isinstance(other, torch.fx.Node)
                     and other.meta["val"].shape == node.meta["val"].shape
                     and other.meta["val"].dtype == torch.bfloat16):
-                schema = lin.target._schema.arguments[:before]
-                args = [lin.args[i] if i < len(lin.args) else lin.kwargs.get(a.name, a.default_value)
-                        for i, a in enumerate(schema)]
+                args = [lin.args[i] if i < len(lin.args)
+                        else lin.kwargs.get(a.name, a.default_value)
+                        for i, a in enumerate(schema[:before])]
                 with graph.inserting_before(node):
                     fused = graph.call_function(lin.target, (*args, other))
                 fused.meta = dict(node.meta)

@@ -164,10 +164,10 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
             block_size: int = 16, page_size: int = 16) -> Prepared:
     """Apply, in place, every registered transformation that applies to `model` (and its
     drafter). Models stay usable for inference only. quantize="int8" asks for quantized
-    weights (CPU, bfloat16 only, where the CPU kernels run: ValueError elsewhere). compile: build (or load) the compiled
-    decode/verify forward and the drafter's forward for `block_size` (None: unless
-    $AGENTFLASH_COMPILE=0); where none is made and the CPU kernels run, the same forwards run
-    eager on them. A hybrid model is left as it is."""
+    weights (CPU, bfloat16 only, where the CPU kernels run: ValueError elsewhere). compile:
+    build (or load) the compiled decode/verify forward and the drafter's forward for
+    `block_size` (None: unless $AGENTFLASH_COMPILE=0); where none is made and the CPU kernels
+    run, the same forwards run eager on them. A hybrid model is left as it is."""
     if isinstance(model, HybridCausalLM):
         # The compiled step exports CausalLM's forward over paged attention alone (no recurrent
         # states to carry), and packing and int8 were never checked against transformers on

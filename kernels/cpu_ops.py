@@ -60,7 +60,8 @@ ISAS = (  # in order of preference
         ("linear_avx512.cpp", "attention_avx512.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")),
-    Isa("avx2", ("avx2", "fma"), ("linear_avx2.cpp", "linear_int8_avx2.cpp", "attention_avx2.cpp"),
+    Isa("avx2", ("avx2", "fma"),
+        ("linear_avx2.cpp", "linear_int8_avx2.cpp", "attention_avx2.cpp"),
         ("-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")),
 )
 

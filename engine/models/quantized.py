@@ -9,7 +9,7 @@ and scale = max |w| / 127 (symmetric, per channel). Rows of a decode step or a v
 through agentflash's int8 CPU kernel (kernels.cpu_ops.linear_int8: half the bytes of bfloat16,
 every row computed the same way whatever the call, so speculative output equals the quantized
 model's own plain output); more rows (prefill chunks) are a bfloat16 matmul on the int8 values
-scaled after it where the CPU has native bf16, else float32 on the weight dequantized for the
+scaled after it where oneDNN's bf16 matmuls run, else float32 on the weight dequantized for the
 call. The model's head gets an int8 copy of its matrix too (tied embeddings keep theirs for the
 lookup): at Qwen3-0.6B's size it is a quarter of the weights.
 """
@@ -24,8 +24,8 @@ from torch import nn
 
 from agentflash.kernels import cpu_ops
 
-from ..device import cpu_has_native_bf16
 from .kernel_linear import WIDEN_ROWS
+from .packed import packing_available
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +55,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_rows is None or x.numel() <= self.kernel_rows * self.in_features:
             return cpu_ops.linear_int8(x, self.qweight, self.scale, self.bias)
-        if x.dtype == torch.bfloat16 and cpu_has_native_bf16():
-            # a bf16 matmul on the int8 values (exact in bf16), scaled after: 3x float32's
-            # speed at 512 rows on AVX512-BF16 (the product rounded to bf16 once more)
+        if x.dtype == torch.bfloat16 and packing_available():
+            # where oneDNN's bf16 matmuls run (as bf16 prefill's do, engine.fastpath): on the
+            # int8 values (exact in bf16), scaled after; 2.6-3.4x float32's speed at 512 rows on
+            # AVX512-BF16 (the product rounded to bf16 once more)
             y = F.linear(x, self.qweight.to(x.dtype)).float() * self.scale
         else:
             weight = self.qweight * self.scale[:, None]  # float32 by promotion: one pass

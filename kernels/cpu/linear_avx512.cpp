@@ -204,7 +204,9 @@ void columns(const Args& a, int64_t n0, int64_t n1) {
 
 namespace agentflash_cpu {
 
-void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1) { columns<Bf16Weights>(a, n0, n1); }
+void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1) {
+  columns<Bf16Weights>(a, n0, n1);
+}
 
 void linear_int8_columns(const LinearArgs& a, int64_t n0, int64_t n1) {
   columns<Int8Weights>(a, n0, n1);
