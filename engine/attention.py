@@ -13,8 +13,8 @@ calls `backend.attend(layer, q, k, v)`. The backend decides where keys come from
 
 from __future__ import annotations
 
+import array
 import itertools
-
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -24,6 +24,16 @@ import torch.nn.functional as F
 from agentflash.kernels import cpu_ops, dispatch
 from agentflash.kernels.reference import (INVARIANT_MAX_QUERIES, ChunkPlan, chunk_plan,
                                           gather_slots)
+
+
+def index_tensor(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """A long tensor of Python ints, built through an `array` buffer: 3-4x faster than
+    `torch.tensor` on a list (8.9 -> 2.6 us for 3 values, 23 -> 7 us for 110), which matters
+    for the few index tensors every decode step builds."""
+    if not values:
+        return torch.empty(0, dtype=torch.long, device=device)
+    flat = torch.frombuffer(array.array("q", values), dtype=torch.long)
+    return flat if torch.device(device).type == "cpu" else flat.to(device)
 
 
 def slot_table(page_tables: Sequence[Sequence[int]], page_size: int) -> torch.Tensor:
@@ -208,8 +218,8 @@ class KernelAttention:
                          for p in range(n - new, n))
             table.append(list(pages) + [0] * (width - len(pages)))
         # one tensor, then views of it (a tensor from a list costs ~8 us: this runs every step)
-        flat = torch.tensor([*slots, *seq, *keys, *itertools.chain.from_iterable(table)],
-                            dtype=torch.long, device=k_caches[0].device)
+        flat = index_tensor([*slots, *seq, *keys, *itertools.chain.from_iterable(table)],
+                            k_caches[0].device)
         t = len(slots)
         return cls(k_caches, v_caches, flat[:t], flat[3 * t:].view(len(table), width),
                    flat[t:2 * t], flat[2 * t:3 * t], page_size, scale)
@@ -255,9 +265,8 @@ class KernelDraftAttention:
         seq = [b for b in range(len(ctx_lens)) for _ in range(block_size)]
         table = [list(pages[:width]) + [0] * (width - len(pages[:width])) for pages in page_tables]
         t, n = len(seq), len(ctx_lens)
-        flat = torch.tensor([*seq, *keys, *causal, *ctx_lens,
-                             *itertools.chain.from_iterable(table)],
-                            dtype=torch.long, device=k_caches[0].device)
+        flat = index_tensor([*seq, *keys, *causal, *ctx_lens,
+                             *itertools.chain.from_iterable(table)], k_caches[0].device)
         return cls(k_caches, v_caches, flat[3 * t + n:].view(n, width), flat[:t], flat[t:2 * t],
                    flat[2 * t:3 * t], flat[3 * t:3 * t + n], page_size, drafter.attention_scale,
                    [drafter.layer_kind(i).causal for i in range(len(k_caches))])

@@ -86,11 +86,23 @@ def without_head(model: CausalLM) -> CausalLM:
     return trunk
 
 
+def kernel_head(model: CausalLM) -> nn.Module:
+    """The model's head through the CPU kernel, on the checkpoint's matrix (a tied head on the
+    embedding's): what a step's program computes its logits with."""
+    head = model.lm_head
+    if head is None:
+        return KernelLinear(model.embed_tokens.weight, None)
+    return with_kernel_linears(head)
+
+
 class TargetStep(nn.Module):
     """The target's decode/verify forward over one group of paged attention, then, with a
     drafter, the drafter's context K/V of the fed positions stored into its caches (the runner's
     `_store_draft_context`, folded in). kernels: linears and attention through the CPU kernels,
-    else the model's own linears and the torch attention's row-invariant path."""
+    the head too (the forward returns float32 logits: no Python between the last layer and the
+    head), else the model's own linears and the torch attention's row-invariant path (the
+    forward returns the final hidden states; the head stays eager: a head an earlier engine
+    packed for oneDNN cannot be traced)."""
 
     def __init__(self, model: CausalLM, drafter: DFlashDraftModel | None,
                  kernels: bool, page_size: int) -> None:
@@ -98,8 +110,10 @@ class TargetStep(nn.Module):
         self.model = without_head(model)
         self.kernels = kernels
         self.page_size = page_size
+        self.head = None
         if kernels:
             self.model = kernel_view(self.model)
+            self.head = kernel_head(model)
             drafter = None if drafter is None else kernel_view(drafter)
         self.drafter = drafter
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
@@ -119,7 +133,7 @@ class TargetStep(nn.Module):
             ctx = self.drafter.context_features(out.captured)
             for i, (k, v) in enumerate(zip(draft_k_caches, draft_v_caches)):
                 self.drafter.store_context_kv(i, ctx, positions, slot_mapping, k, v)
-        return out.hidden
+        return out.hidden if self.head is None else self.head(out.hidden).float()
 
 
 class DraftStep(nn.Module):
@@ -155,13 +169,15 @@ class DraftStep(nn.Module):
 
 class DecodeForward:
     """A step's decode/verify forward: call it with `StepArgs`, the target's per-layer caches
-    and the drafter's (with a drafter, whose context K/V it stores); returns the hidden states
-    [T, H] after the final norm. This one runs `TargetStep` eager on the CPU kernels."""
+    and the drafter's (with a drafter, whose context K/V it stores); returns the float32 logits
+    [T, V] where it runs the CPU kernels (`returns_logits`), else the hidden states [T, H] after
+    the final norm. This one runs `TargetStep` eager on the CPU kernels."""
 
     kind = "eager"
 
     def __init__(self, kernels: bool, step: TargetStep | None = None) -> None:
         self.kernels = kernels     # linears and attention through agentflash's CPU kernels
+        self.returns_logits = kernels  # the head inside (TargetStep)
         self.step = step
 
     @classmethod

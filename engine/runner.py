@@ -26,7 +26,7 @@ import torch
 
 from agentflash.kernels.reference import INVARIANT_MAX_QUERIES
 
-from .attention import PagedAttention, PagedDraftAttention
+from .attention import PagedAttention, PagedDraftAttention, index_tensor
 from .forward import DecodeForward, DraftForward, step_args
 from .kv.manager import KVManager
 from .kv.pool import KVPool
@@ -122,12 +122,15 @@ class ModelRunner:
                 ctx_lens, num_new, self.kv.page_size, self.model.attention_scale)
         attn = (self.decode.attention(*meta) if small and self.decode is not None
                 else PagedAttention.build(*meta))
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        flat = index_tensor([*ids, *positions], self.device)
+        input_ids, pos = flat[:len(ids)], flat[len(ids):]
         if small:  # with a drafter, the forward stores its context K/V too
             assert self.decode is not None
-            hidden = self.decode(step_args(input_ids, pos, attn), attn.k_caches, attn.v_caches,
-                                 self._draft_caches(self.pool.k), self._draft_caches(self.pool.v))
+            out = self.decode(step_args(input_ids, pos, attn), attn.k_caches, attn.v_caches,
+                              self._draft_caches(self.pool.k), self._draft_caches(self.pool.v))
+            if self.decode.returns_logits:  # (every row samples in decode and verify steps)
+                return RunnerOutput(out, rows)
+            hidden = out
         elif self.states is not None:
             hidden = self._forward_hybrid(items, input_ids, pos, attn)
         else:
@@ -208,8 +211,8 @@ class ModelRunner:
             ctx_lens.append(start)
         meta = (self._draft_caches(self.pool.k), self._draft_caches(self.pool.v), page_tables,
                 ctx_lens, block_size, self.kv.page_size, self.drafter)
-        block_ids = torch.tensor(ids, device=self.device)
-        pos = torch.tensor(positions, device=self.device)
+        flat = index_tensor([*ids, *positions], self.device)
+        block_ids, pos = flat[:len(ids)], flat[len(ids):]
         if self.draft_forward is not None:
             hidden = self.draft_forward(block_ids, pos, self.draft_forward.attention(*meta))
         else:

@@ -137,6 +137,8 @@ class KVManager:
         self._check_live(kv)
         if not 0 <= n <= kv.length:
             raise ValueError(f"truncate to {n} outside [0, {kv.length}]")
+        if n == kv.length:
+            return  # (every plain decode step: its KV is all kept)
         P = self.page_size
         for i in range(n // P, len(kv.pages)):
             page = kv.pages[i]
