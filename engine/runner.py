@@ -128,7 +128,9 @@ class ModelRunner:
             assert self.decode is not None
             out = self.decode(step_args(input_ids, pos, attn), attn.k_caches, attn.v_caches,
                               self._draft_caches(self.pool.k), self._draft_caches(self.pool.v))
-            if self.decode.returns_logits:  # (every row samples in decode and verify steps)
+            if self.decode.returns_logits:
+                if len(logit_rows) < out.shape[0]:  # a short prefill chunk: its last row only
+                    out = out[index_tensor(logit_rows, self.device)]
                 return RunnerOutput(out, rows)
             hidden = out
         elif self.states is not None:
@@ -138,7 +140,7 @@ class ModelRunner:
             if self.drafter is not None:
                 self._store_draft_context(captured, pos, attn.slot_mapping)
         if len(logit_rows) < hidden.shape[0]:  # (every row samples in decode and verify steps)
-            hidden = hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
+            hidden = hidden[index_tensor(logit_rows, self.device)]
         return RunnerOutput(self.model.logits(hidden), rows)
 
     def _forward_hybrid(self, items: list[BatchItem], input_ids: torch.Tensor,
