@@ -44,7 +44,8 @@ One transformation changes the numbers and so runs only when asked for (`quantiz
   output, bit for bit.
 
 Hybrid targets (Qwen3.5, engine.models.qwen3_5) run eager; in bfloat16 on a CPU without native
-bf16 matmuls their linears run the CPU kernel (`cpu-kernel-linears`), else they are as loaded.
+bf16 matmuls their linears and MoE experts run the CPU kernel (`cpu-kernel-linears`), else
+they are as loaded.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from .compiled import CompiledDraft, CompiledForward
 from .forward import DecodeForward, DraftForward
 from .models.dflash import DFlashDraftModel
 from .models.kernel_linear import KernelLinear, WidenedLinear, swap_linears
+from .models.moe import Experts
 from .models.packed import PackedLinear, pack_linears, packing_available
 from .models.quantized import Int8Linear, quantize_linears_int8
 from .models.qwen3 import CausalLM
@@ -179,6 +181,9 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
             return Prepared([])
         t0 = time.perf_counter()
         _kernel_linears(model, drafter, True, KernelLinear)
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.kernel = True
         return Prepared(["cpu-kernel-linears"],
                         seconds={"cpu-kernel-linears": time.perf_counter() - t0})
     if quantize is not None:

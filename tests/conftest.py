@@ -155,7 +155,8 @@ def _target_fields(target_config: Any) -> dict[str, Any]:
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        intermediate_size=cfg["intermediate_size"],
+        # a MoE target has no dense MLP width: its drafter takes the experts'
+        intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),

@@ -28,6 +28,7 @@ from agentflash.engine.sampler import SamplingParams, target_probs
 from agentflash.kernels import cpu_ops
 from test_qwen3_5 import TEXT, make_hf, save_conditional
 from test_spec import chi_square_pvalue
+from conftest import assert_rows_independent
 
 CACHE = CacheConfig(page_size=4, num_pages=256)
 MakeEngine = Callable[..., Engine]
@@ -331,6 +332,37 @@ def test_greedy_dflash_on_a_hybrid_target_equals_plain_at_every_block_size(
         assert_idle_and_clean(engine)
 
 
+def test_a_moe_hybrid_target(dflash_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """Qwen3.5-MoE through the Engine: `from_dir` loads both layouts with greedy output equal
+    to transformers' generate, a second turn resumes from the first one's end, and greedy DFlash
+    output equals plain decoding at block sizes 2, 7 and 16."""
+    hf = make_hf(seed=12, moe=True, vocab_size=6)
+    hf.save_pretrained(tmp_path / "target")
+    save_conditional(hf, tmp_path / "vl")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6) for _ in range(rng.randint(3, 30))] for _ in range(4)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = []
+    for directory in (tmp_path / "target", tmp_path / "vl"):
+        engine = Engine.from_dir(directory, cache=CACHE)
+        assert engine.config.num_experts == 8
+        plain.append([c.output_ids for c in engine.generate(prompts, params)])
+    assert plain[0] == plain[1]
+    assert plain[0][0] == hf_greedy(hf, prompts[0], 20)
+    turn2 = prompts[0] + plain[0][0] + [1, 2, 3]
+    (again,) = engine.generate([turn2], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert again.counters.cached_tokens == len(prompts[0]) + 20 - 1
+    assert again.output_ids == hf_greedy(hf, turn2, 8)
+    model = engine.model
+    drafter = load_drafter(dflash_checkpoint(hf.config, target_layer_ids=[1, 3], block_size=16),
+                           model)
+    for block in (2, 7, 16):
+        engine = Engine(model, cache=CACHE, drafter=drafter, spec=SpecConfig(block))
+        assert [c.output_ids for c in engine.generate(prompts, params)] == plain[0], block
+        assert 0 < engine.counters.accepted_tokens < engine.counters.draft_tokens
+        assert_idle_and_clean(engine)
+
+
 def test_predictions_on_a_hybrid_target_roll_the_state_back(
     hybrid: tuple[Path, Any], make: MakeEngine,
 ) -> None:
@@ -416,6 +448,21 @@ def test_hybrid_models_skip_the_fast_path(hybrid: tuple[Path, Any]) -> None:
     assert engine.fast_paths == (["cpu-kernel-linears"] if kernels else [])
     with pytest.raises(ValueError, match="hybrid"):
         Engine(model, cache=CACHE, quantize="int8")
+
+
+@pytest.mark.skipif(packing_available() or not cpu_ops.available(),
+                    reason="the CPU kernels run every linear only where bf16 matmuls are emulated")
+def test_moe_rows_do_not_depend_on_their_batch(tmp_path: Path) -> None:
+    """In bfloat16 where the CPU kernels run, a MoE block's experts take the kernel too, so a
+    token's output is the same whatever else is in the forward (how many tokens each expert
+    got): what keeps a verify block's rows a plain step's, bit for bit."""
+    make_hf(seed=13, moe=True).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    Engine(model, cache=CACHE)
+    mlp = model.layers[0].mlp
+    assert mlp.experts.kernel
+    x = torch.randn(33, TEXT["hidden_size"], generator=torch.Generator().manual_seed(0))
+    assert_rows_independent(mlp, x.to(torch.bfloat16))
 
 
 @pytest.mark.anyio

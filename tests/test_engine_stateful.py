@@ -1,9 +1,9 @@
 """Randomised engine lifecycle: interleaved submit / follow-up / predicted repeat / step / abort /
-unpin on a tiny model (Qwen3, and the hybrid Qwen3.5 whose follow-ups and shared prefixes resume
-from state snapshots taken inside prompts, at their ends and at replies' ends, and whose
-predictions roll the state back), with the KV page and state slot invariants checked after every
-operation, greedy outputs that never depend on what was cached or predicted, and a clean pool at
-the end."""
+fork / unpin on a tiny model (Qwen3, and the hybrid Qwen3.5 whose follow-ups, forks and shared
+prefixes resume from state snapshots taken inside prompts, at their ends and at replies' ends,
+and whose predictions roll the state back), with the KV page and state slot invariants checked
+after every operation, every greedy output equal to the same prompt's from scratch (so a
+restored snapshot is the state the prefix computes), and a clean pool at the end."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def tiny_model(request, tmp_path_factory):
 
 class EngineMachine(RuleBasedStateMachine):
     model = None  # set by the test
+    scratch: dict[tuple, list[int]] = {}   # (prompt, new) -> greedy output from an empty cache
+    resumed = 0   # finished sequences that started from a cached prefix (a snapshot if hybrid)
 
     def __init__(self) -> None:
         super().__init__()
@@ -100,6 +102,14 @@ class EngineMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
+    def fork(self, data):
+        """A second session on a pinned conversation (a forked agent): its follow-ups and the
+        original's resume from the same prefix and diverge."""
+        pin = self.pins[data.draw(st.integers(0, len(self.pins) - 1))]
+        self.pins.append(self.engine.share_pin(pin))
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
     def unpin(self, data):
         self.engine.unpin(self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1))))
 
@@ -111,7 +121,18 @@ class EngineMachine(RuleBasedStateMachine):
         if done.finish_reason == "length":
             # a prompt's greedy continuation does not depend on what else ran or was cached
             key = (tuple(done.prompt_ids), len(done.output_ids))
-            assert self.history.setdefault(key, done.output_ids) == done.output_ids
+            assert done.output_ids == self.from_scratch(key), key
+            self.history[key] = done.output_ids
+            if done.counters.cached_tokens:
+                type(self).resumed += 1
+
+    def from_scratch(self, key: tuple) -> list[int]:
+        """The greedy output of (prompt, new) on a fresh engine: nothing cached."""
+        if key not in self.scratch:
+            engine = Engine(self.model, CacheConfig(page_size=3, num_pages=40))
+            (done,) = engine.generate([list(key[0])], SamplingParams(max_new_tokens=key[1]))
+            self.scratch[key] = done.output_ids
+        return self.scratch[key]
 
     @invariant()
     def pages_consistent(self):
@@ -143,8 +164,10 @@ class EngineMachine(RuleBasedStateMachine):
 
 def test_engine_lifecycle_keeps_page_invariants(tiny_model):
     EngineMachine.model = tiny_model
+    EngineMachine.scratch, EngineMachine.resumed = {}, 0
     case = EngineMachine.TestCase
     case.settings = settings(max_examples=25, stateful_step_count=25, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
     with torch.inference_mode():
         case("runTest").runTest()
+    assert EngineMachine.resumed > 0   # the runs did resume from cached prefixes

@@ -1,6 +1,7 @@
 """Our Qwen3.5 (HybridCausalLM over Gated DeltaNet and gated attention) against transformers, on
-tiny random float32 checkpoints of both layouts: one-shot prefill, chunked prefill with state and
-paged KV carried between chunks, sequences laid end to end, and greedy decoding."""
+tiny random float32 checkpoints of both layouts, dense and mixture-of-experts: one-shot prefill,
+chunked prefill with state and paged KV carried between chunks, sequences laid end to end, and
+greedy decoding."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import transformers
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
 from agentflash.engine.attention import DenseCausal, PagedAttention
-from agentflash.engine.errors import UnsupportedModelError
+from agentflash.engine.errors import CheckpointError, UnsupportedModelError
 from agentflash.engine.kv import KVPool
 from agentflash.engine.models.gated_deltanet import (RecurrentStates, delta_rule_chunked,
                                                      delta_rule_step)
@@ -34,6 +35,9 @@ TEXT: dict[str, Any] = dict(
     linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=512,
     rms_norm_eps=1e-6, rope_parameters=ROPE,
 )
+MOE: dict[str, Any] = dict(  # Qwen3.5-MoE: every MLP routed (2 of 8 experts) plus a shared one
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48)
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2,
               spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
               num_position_embeddings=16)
@@ -55,15 +59,21 @@ def perturb(model: Any, seed: int) -> Any:
     return model.float().eval()
 
 
-def make_hf(seed: int = 0, **overrides: Any) -> Any:
+def make_hf(seed: int = 0, moe: bool = False, **overrides: Any) -> Any:
+    """A random transformers Qwen3.5 (with MoE: Qwen3.5-MoE) causal LM, float32."""
     torch.manual_seed(seed)
+    if moe:
+        text = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
+        cfg = transformers.Qwen3_5MoeTextConfig(**{**text, **MOE, **overrides})
+        return perturb(transformers.Qwen3_5MoeForCausalLM(cfg), seed)
     cfg = transformers.Qwen3_5TextConfig(**{**TEXT, **overrides})
     return perturb(transformers.Qwen3_5ForCausalLM(cfg), seed)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[HybridCausalLM, Any]:
-    hf = make_hf()
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+         ) -> tuple[HybridCausalLM, Any]:
+    hf = make_hf(moe=request.param == "moe")
     path = tmp_path_factory.mktemp("qwen3_5")
     hf.save_pretrained(path)
     return load_qwen3_5(path), hf
@@ -121,11 +131,15 @@ def test_prefill_longer_than_a_chunk_matches_transformers(pair: tuple[HybridCaus
 
 
 def save_conditional(hf: Any, path: Path) -> Any:
-    """`hf`'s weights as the text model of a Qwen3_5ForConditionalGeneration (with a tiny
+    """`hf`'s weights as the text model of a Qwen3_5[Moe]ForConditionalGeneration (with a tiny
     vision tower), saved at `path`; returns that model."""
     torch.manual_seed(1)
-    cfg = transformers.Qwen3_5Config(text_config=hf.config.to_dict(), vision_config=VISION)
-    full = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    moe = isinstance(hf, transformers.Qwen3_5MoeForCausalLM)
+    config_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    model_cls = (transformers.Qwen3_5MoeForConditionalGeneration if moe
+                 else transformers.Qwen3_5ForConditionalGeneration)
+    cfg = config_cls(text_config=hf.config.to_dict(), vision_config=VISION)
+    full = model_cls(cfg).float().eval()
     full.model.language_model.load_state_dict(hf.model.state_dict())
     full.lm_head.load_state_dict(hf.lm_head.state_dict())
     full.save_pretrained(path)
@@ -148,6 +162,9 @@ def test_conditional_generation_layout_loads_the_text_model(
     with torch.no_grad():
         want = full(input_ids=ids[None], use_cache=False).logits[0]
     torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
+    session = Session(ours, 1)   # and prefilled in chunks, state and KV carried between them
+    chunked = torch.cat([session.step([chunk])[0] for chunk in ids.split([29, 1, 40])])
+    torch.testing.assert_close(chunked, want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("split", [(37, 1, 32), (2, 65, 3)])
@@ -249,3 +266,39 @@ def test_config_layouts_and_defaults() -> None:
         ("linear_attention",) * 3 + ("full_attention",)) * 2
     with pytest.raises(UnsupportedModelError):
         HybridConfig.from_hf({**text, "architectures": ["Qwen3ForCausalLM"]})
+
+
+def test_moe_experts_stored_stacked_load_as_stored(tmp_path: Path) -> None:
+    """A MoE checkpoint saved with transformers' in-memory layout (experts stacked in one
+    [E, ...] tensor each) loads like the per-expert one transformers writes."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = make_hf(seed=2, moe=True)
+    hf.save_pretrained(tmp_path / "per_expert")
+    (tmp_path / "stacked").mkdir()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()},
+              tmp_path / "stacked" / "model.safetensors")
+    (tmp_path / "stacked" / "config.json").write_text(
+        (tmp_path / "per_expert" / "config.json").read_text())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in json.dumps(list(hf.state_dict()))
+    ids = random_ids(30, seed=8)
+    logits = run_fresh(load_qwen3_5(tmp_path / "stacked"), [ids])[0]
+    assert torch.equal(logits, run_fresh(load_qwen3_5(tmp_path / "per_expert"), [ids])[0])
+    torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_moe_config() -> None:
+    text = {**make_hf(moe=True).config.to_dict(), "architectures": ["Qwen3_5MoeForCausalLM"]}
+    config = HybridConfig.from_hf(text)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.shared_expert_intermediate_size) == (8, 2, 32, 48)
+    nested = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": text}
+    assert HybridConfig.from_hf(nested) == config
+    with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
+        HybridConfig.from_hf({**text, "mlp_only_layers": [0]})
+    with pytest.raises(CheckpointError, match="num_experts_per_tok"):
+        HybridConfig.from_hf({**text, "num_experts_per_tok": 9})
+    with pytest.raises(CheckpointError, match="moe_intermediate_size"):
+        HybridConfig.from_hf({k: v for k, v in text.items() if k != "moe_intermediate_size"})

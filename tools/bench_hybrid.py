@@ -3,6 +3,7 @@ snapshot where the previous turn ended, against computing the whole history agai
 
     python tools/bench_hybrid.py                       # 2k and 8k tokens of history
     python tools/bench_hybrid.py --history 2048 --hidden 1024 --layers 16
+    python tools/bench_hybrid.py --experts 32   # Qwen3.5-MoE-shaped: 32 experts, top 4
 
 A random Qwen3.5 text model (three Gated DeltaNet layers to each gated-attention layer, as the
 published models; its size set by the flags) is saved to a temporary directory and loaded by
@@ -38,8 +39,14 @@ from agentflash.engine.scheduler import BatchItem
 def hybrid_checkpoint(path: Path, args: argparse.Namespace) -> None:
     layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
                    for i in range(args.layers)]
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+    mlp = (dict(num_experts=args.experts, num_experts_per_tok=4,
+                moe_intermediate_size=args.hidden // 2, shared_expert_intermediate_size=args.hidden)
+           if args.experts else dict(intermediate_size=3 * args.hidden))
+    config_cls, model_cls = ((transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM)
+                             if args.experts else
+                             (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM))
+    cfg = config_cls(
+        vocab_size=args.vocab, hidden_size=args.hidden, **mlp,
         num_hidden_layers=args.layers, layer_types=layer_types,
         num_attention_heads=args.hidden // 128, num_key_value_heads=2, head_dim=128,
         linear_num_key_heads=args.hidden // 128, linear_num_value_heads=args.hidden // 64,
@@ -48,7 +55,7 @@ def hybrid_checkpoint(path: Path, args: argparse.Namespace) -> None:
         rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                          "partial_rotary_factor": 0.25}, dtype="bfloat16")
     torch.manual_seed(0)
-    model = transformers.Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
+    model = model_cls(cfg).to(torch.bfloat16)
     model.save_pretrained(path)
 
 
@@ -95,6 +102,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--experts", type=int, default=0,
+                    help="a mixture-of-experts model with this many experts (4 per token)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,7 +141,9 @@ def main() -> None:
         blocks = [1, 2, 4, 8, 16]
         with torch.inference_mode():
             costs = verify_costs(engine, prompt, blocks)
-    print(f"\nrandom Qwen3.5-shaped model: {params / 1e6:.0f}M parameters, {args.layers} layers "
+    kind = f"Qwen3.5-MoE-shaped ({args.experts} experts, 4 per token)" if args.experts else \
+        "Qwen3.5-shaped"
+    print(f"\nrandom {kind} model: {params / 1e6:.0f}M parameters, {args.layers} layers "
           f"(3 linear : 1 full), hidden {args.hidden}, bf16, eager, {args.threads} threads; "
           f"one state snapshot {snapshot / 2**20:.2f} MiB\n")
     print("| history | turn-2 TTFT resuming | computed | turn-2 TTFT recomputing | computed "

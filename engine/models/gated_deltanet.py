@@ -11,7 +11,8 @@ with q, k L2-normalised (q also scaled by Dk**-0.5), g_t = -exp(A_log) * softplu
 and beta_t = sigmoid(b_t). q/k/v come out of a depthwise causal conv1d (SiLU) whose window of the
 last `kernel - 1` inputs is state too. Two forms of the rule: `delta_rule_step` (one token, many
 sequences: decode) and `delta_rule_chunked` (one sequence, 64-token chunks solved in closed form:
-prefill). Tokens are flattened as in engine.models.qwen3; `RecurrentStates` says which sequence
+prefill; on CUDA, flash-linear-attention's kernel and causal-conv1d's where installed, see
+agentflash.kernels.linear_attention). Tokens are flattened as in engine.models.qwen3; `RecurrentStates` says which sequence
 each run of tokens belongs to and holds the states the layer reads and overwrites in place.
 
 A speculative verify block runs "stepwise": token by token in the recurrent form (each token's
@@ -31,6 +32,8 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from agentflash.kernels import linear_attention
 
 from .layers import RMSNorm
 
@@ -160,11 +163,16 @@ def causal_conv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv1d + SiLU of x [B, L, C] continuing after `window` [B, C, K - 1] (the
     previous inputs; zeros at a sequence's start). Returns the output [B, L, C] and the window
-    after x. weight: [C, 1, K]."""
+    after x. weight: [C, 1, K]. Computed in float32 and rounded once to the window's dtype (torch's
+    bfloat16 depthwise conv1d on CPU runs one slow convolution per channel: 88% of a decode step);
+    one token (a decode step) is one dot product per channel."""
     length = x.shape[1]
     full = torch.cat((window, x.transpose(1, 2).to(window.dtype)), dim=-1)   # [B, C, K - 1 + L]
-    out = F.silu(F.conv1d(full, weight, groups=weight.shape[0]))             # [B, C, L]
-    return out.transpose(1, 2), full[..., length:]
+    if length == 1:
+        out = (full.float() * weight[:, 0].float()).sum(dim=-1, keepdim=True)
+    else:
+        out = F.conv1d(full.float(), weight.float(), groups=weight.shape[0])  # [B, C, L]
+    return F.silu(out).to(window.dtype).transpose(1, 2), full[..., length:]
 
 
 def l2_normalise(x: torch.Tensor) -> torch.Tensor:
@@ -289,7 +297,12 @@ class GatedDeltaNet(nn.Module):
             rows, seqs = states.decode_rows, states.decode_seqs
             step, window[seqs] = causal_conv(mixed[rows, None], window[seqs], weight)
             out[rows] = step[:, 0]
+        fused = linear_attention.conv_available(mixed.device)
         for s, first, end in states.prefill:
+            if fused:
+                out[first:end], window[s] = linear_attention.causal_conv(mixed[first:end],
+                                                                         window[s], weight)
+                continue
             chunk, last = causal_conv(mixed[None, first:end], window[s:s + 1], weight)
             out[first:end] = chunk[0]
             window[s] = last[0]
@@ -309,10 +322,12 @@ class GatedDeltaNet(nn.Module):
             rows, seqs = states.decode_rows, states.decode_seqs
             out[rows], state[seqs] = delta_rule_step(q[rows], k[rows], v[rows], g[rows],
                                                      beta[rows], state[seqs])
+        chunked = (linear_attention.chunk_delta_rule
+                   if linear_attention.fla_available(q.device) else delta_rule_chunked)
         for s, first, end in states.prefill:
             span = slice(first, end)
-            out[span], state[s] = delta_rule_chunked(q[span], k[span], v[span], g[span],
-                                                     beta[span], state[s])
+            out[span], state[s] = chunked(q[span], k[span], v[span], g[span], beta[span],
+                                          state[s])
         for s, first, end in states.steps:
             current = state[s:s + 1]
             for t in range(first, end):

@@ -14,10 +14,15 @@ Layer numbering: the backend's `attend(layer, ...)` gets the ordinal of the full
 among full-attention layers (a KV pool holds only those), and `RecurrentStates` lists the linear
 layers by their ordinal among linear layers.
 
-Both checkpoint layouts load: `Qwen3_5ForCausalLM` (`model.*`) and the text model of
-`Qwen3_5ForConditionalGeneration` (`model.language_model.*`; the vision tower `model.visual.*` and
-the multi-token-prediction head `mtp.*` are skipped). Parameter names are HF's without the prefix,
-with q/k/v, gate/up and the four DeltaNet input projections fused as the loader below lists.
+The mixture-of-experts variant (`Qwen3_5Moe*`, transformers' `qwen3_5_moe`) is the same model with
+every layer's MLP a `SparseMoE` (engine.models.moe): routed experts plus a gated shared expert.
+
+Both checkpoint layouts load, dense or MoE: `Qwen3_5[Moe]ForCausalLM` (`model.*`) and the text
+model of `Qwen3_5[Moe]ForConditionalGeneration` (`model.language_model.*`; the vision tower
+`model.visual.*` and the multi-token-prediction head `mtp.*` are skipped). Parameter names are
+HF's without the prefix, with q/k/v, gate/up and the four DeltaNet input projections fused as the
+loader below lists; experts stored one by one (`mlp.experts.{e}.gate_proj.weight`, as
+transformers saves them) are stacked into the [E, ...] tensors, and stacked ones load as stored.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Container, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,13 +41,15 @@ from ..config import RopeConfig, generation_eos_ids, read_config_json
 from ..errors import CheckpointError, UnsupportedModelError
 from .gated_deltanet import GatedDeltaNet, RecurrentStates, conv_dim
 from .layers import GatedMLP
+from .moe import SparseMoE
 from .checkpoint import assemble_state, load_dtype, read_safetensors_dir
 from .qwen3 import CausalLM, ModelOutput
 from .rope import RotaryEmbedding, apply_rope
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+                 "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 LINEAR, FULL = "linear_attention", "full_attention"
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")   # vision tower, multi-token-prediction head
 
@@ -50,7 +57,8 @@ SKIPPED_PREFIXES = ("model.visual.", "mtp.")   # vision tower, multi-token-predi
 @dataclass(frozen=True)
 class HybridConfig:
     """Shape and numerics of a Qwen3.5 text model. Fields shared with `ModelConfig` keep its names
-    and meaning; the linear_* fields shape the Gated DeltaNet layers."""
+    and meaning; the linear_* fields shape the Gated DeltaNet layers; num_experts > 0 makes every
+    MLP a mixture of experts (the moe_* and shared_expert_* fields; intermediate_size unused)."""
 
     vocab_size: int
     hidden_size: int
@@ -73,15 +81,24 @@ class HybridConfig:
     attention_bias: bool = False
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0   # 0: dense MLPs
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        mlp = (("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+               if self.num_experts else ("intermediate_size",))
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+                     "linear_value_head_dim", "linear_conv_kernel_dim", *mlp):
             if getattr(self, name) < 1:
                 raise CheckpointError(
                     f"config field {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_experts_per_tok > self.num_experts > 0:
+            raise CheckpointError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds "
+                                  f"num_experts {self.num_experts}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise CheckpointError(f"layer_types names {len(self.layer_types)} layers, "
                                   f"num_hidden_layers is {self.num_hidden_layers}")
@@ -130,8 +147,9 @@ class HybridConfig:
         text = cfg.get("text_config") or cfg
         if text.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {text['hidden_act']!r} is not supported")
-        if text.get("num_experts"):
-            raise UnsupportedModelError("the mixture-of-experts Qwen3.5 is not supported")
+        if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
+            raise UnsupportedModelError("Qwen3.5 MoE with dense layers among the sparse ones "
+                                        "(mlp_only_layers, decoder_sparse_step) is not supported")
         try:
             num_layers = int(text["num_hidden_layers"])
             layer_types = text.get("layer_types") or [
@@ -147,10 +165,17 @@ class HybridConfig:
             eos = text.get("eos_token_id")
             if eos is None:
                 eos = cfg.get("eos_token_id")
+            experts = int(text.get("num_experts") or 0)
+            moe = dict(num_experts=experts,
+                       num_experts_per_tok=int(text["num_experts_per_tok"]),
+                       moe_intermediate_size=int(text["moe_intermediate_size"]),
+                       shared_expert_intermediate_size=int(
+                           text["shared_expert_intermediate_size"])) if experts else {}
             return cls(
                 vocab_size=int(text["vocab_size"]),
                 hidden_size=int(text["hidden_size"]),
-                intermediate_size=int(text["intermediate_size"]),
+                intermediate_size=int(text["intermediate_size"] if not experts
+                                      else text.get("intermediate_size") or 0),
                 num_hidden_layers=num_layers,
                 num_attention_heads=heads,
                 num_key_value_heads=int(text.get("num_key_value_heads") or heads),
@@ -170,6 +195,7 @@ class HybridConfig:
                 torch_dtype=str(text.get("dtype") or cfg.get("dtype")
                                 or cfg.get("torch_dtype") or "float32"),
                 eos_token_ids=_token_ids(eos),
+                **moe,
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from None
@@ -256,7 +282,13 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(config, ordinal)
         self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size,
                                                            config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=False)
+        self.mlp: GatedMLP | SparseMoE
+        if config.num_experts:
+            self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size,
+                                 config.num_experts, config.num_experts_per_tok,
+                                 config.shared_expert_intermediate_size)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=False)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
@@ -335,28 +367,36 @@ FUSED = {
 }
 
 
-def _fused_rows(module: str, config: HybridConfig) -> tuple[int, ...]:
+def _fused_rows(module: str, parent: str, config: HybridConfig) -> tuple[int, ...]:
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     heads_v = config.linear_num_value_heads
+    inter = (config.shared_expert_intermediate_size if parent.endswith(".shared_expert")
+             else config.intermediate_size)
     return {
         "qkv_proj": (2 * q, kv, kv),
-        "gate_up_proj": (config.intermediate_size, config.intermediate_size),
+        "gate_up_proj": (inter, inter),
         "in_proj": (config.conv_dim, heads_v * config.linear_value_head_dim, heads_v, heads_v),
     }[module]
 
 
-def _hf_sources(key: str, shape: tuple[int, ...], config: HybridConfig, prefix: str
-                ) -> list[tuple[str, tuple[int, ...]]]:
-    """Stored names, with shapes, whose dim-0 concatenation is our parameter `key`."""
+def _hf_sources(key: str, shape: tuple[int, ...], config: HybridConfig, prefix: str,
+                stored: Container[str]) -> list[tuple[str, tuple[int, ...]]]:
+    """Stored names, with shapes, whose dim-0 concatenation (reshaped to `shape`) is our
+    parameter `key`."""
     if key.startswith("lm_head."):
         return [(key, shape)]
     module, _, leaf = key.rpartition(".")
+    if module.endswith(".experts") and prefix + key not in stored:   # one expert at a time
+        parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+        rows = shape[1] // len(parts)
+        return [(f"{prefix}{module}.{e}.{part}.weight", (rows, shape[2]))
+                for e in range(shape[0]) for part in parts]
     parent, _, name = module.rpartition(".")
     if name not in FUSED:
         return [(prefix + key, shape)]
     return [(f"{prefix}{parent}.{part}.{leaf}", (rows, *shape[1:]))
-            for part, rows in zip(FUSED[name], _fused_rows(name, config))]
+            for part, rows in zip(FUSED[name], _fused_rows(name, parent, config))]
 
 
 def load_qwen3_5(
@@ -378,11 +418,12 @@ def load_qwen3_5(
         skip.add("lm_head.weight")
     with torch.device("meta"):
         model = HybridCausalLM(config)
-    sources = {key: _hf_sources(key, tuple(p.shape), config, prefix)
-               for key, p in model.state_dict().items()}
+    shapes = {key: tuple(p.shape) for key, p in model.state_dict().items()}
+    sources = {key: _hf_sources(key, shape, config, prefix, tensors)
+               for key, shape in shapes.items()}
     state = assemble_state(sources, tensors, dtype, torch.device(device), root,
                            "a Qwen3.5 text model with this config", skip)
-    model.load_state_dict(state, assign=True)
+    model.load_state_dict({key: t.view(shapes[key]) for key, t in state.items()}, assign=True)
     model.rotary.build(device)
     return model.eval().requires_grad_(False)
 
