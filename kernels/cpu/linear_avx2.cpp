@@ -10,7 +10,8 @@ namespace {
 struct Bf16Weights {
   using T = uint16_t;
   static constexpr bool kSplit = false;  // one accumulator (decode streams W at memory speed)
-  static constexpr int kRows = 2;        // tiles of 2 x rows by 3 W rows
+  static constexpr bool kHalves = true;  // tiles of more x rows widen W a half at a time:
+  static constexpr int kRows = 4;        // 4 x rows by 3 W rows
   static constexpr int kCols = 3;
   static agentflash_cpu::Widened weights(const uint16_t* p) {
     return agentflash_cpu::load_widen16(p);

@@ -12,6 +12,7 @@ struct Int8Weights {
   using T = int8_t;
   // Two accumulators (halves apart): with one, a decode step's single FMA chain would hold
   // a thread below the memory's speed at half the bytes a weight (measured: 2x).
+  static constexpr bool kHalves = false;
   static constexpr bool kSplit = true;
   static constexpr int kRows = 3;  // tiles of 3 x rows by 2 W rows: 12 accumulators
   static constexpr int kCols = 2;
