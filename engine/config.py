@@ -265,7 +265,10 @@ class SpecConfig:
     cost: with step costs, each request verifies, after `probe_steps` full blocks, the number of
     drafts that commits the most tokens per unit of time given its own acceptance so far (and
     decodes token by token once no number beats a plain step); lossless either way. None: every
-    verify step checks the whole block. `batch_costs`: the same measured with more requests
+    verify step checks the whole block. While it decodes token by token, a request still
+    verifies one full block after `probe_gap` plain steps, then after twice as many, up to 16
+    times as many: a reply whose text turns predictable (a tool call after prose) speculates
+    again, and the acceptance the next requests start from stays current. `batch_costs`: the same measured with more requests
     decoding at once (a verify token costs more, relative to a plain step, once the forward is
     compute-bound); a request decides with the costs of the batch size nearest its step's."""
 
@@ -273,12 +276,13 @@ class SpecConfig:
     cost: StepCost | None = None
     batch_costs: tuple[StepCost, ...] = ()
     probe_steps: int = 4
+    probe_gap: int = 16
     MIN_BLOCK = 2
     MAX_BLOCK = 16
 
     def __post_init__(self) -> None:
-        if self.probe_steps < 1:
-            raise ValueError("probe_steps must be >= 1")
+        if self.probe_steps < 1 or self.probe_gap < 1:
+            raise ValueError("probe_steps and probe_gap must be >= 1")
         if self.batch_costs and self.cost is None:
             raise ValueError("batch_costs need the batch-1 cost too")
         if self.block_size is not None and not self.MIN_BLOCK <= self.block_size <= self.MAX_BLOCK:

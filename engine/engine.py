@@ -472,11 +472,26 @@ class Engine:
             stats = ((c.accepted_per_position, c.verified_per_position)
                      if len(c.acceptance_lengths) >= self.spec.probe_steps else seq.prior)
             if stats is not None:
-                seq.block_size = verify_length(*stats, self.block_size,
-                                               self.spec.cost_at(self._decoding))
+                seq.block_size = self._explore(seq, verify_length(
+                    *stats, self.block_size, self.spec.cost_at(self._decoding)))
         if seq.finish_reason is not None:
             update = self._finish(seq, update)
         return update
+
+    def _explore(self, seq: Sequence, chosen: int) -> int:
+        """The verify length for `seq`'s next step given the one its acceptance chose: that one,
+        except that while plain steps are chosen a full block probes now and then
+        (`SpecConfig.probe_gap`)."""
+        first = self.spec.probe_gap
+        if chosen > 1:
+            seq.plain_run, seq.probe_gap = 0, first
+            return chosen
+        seq.plain_run += 1
+        seq.probe_gap = seq.probe_gap or first
+        if seq.plain_run <= seq.probe_gap:   # the next step is plain step plain_run
+            return 1
+        seq.plain_run, seq.probe_gap = 0, min(2 * seq.probe_gap, 16 * first)
+        return self.block_size
 
     def _fail(self, seq: Sequence, error: Exception) -> SeqUpdate:
         """Finish `seq` with an error, keeping (cached) only the KV of its committed tokens."""
@@ -570,6 +585,9 @@ class Engine:
                                        "the pool can free")
         vocab = self.config.vocab_size
         spec, self.spec = self.spec, replace(self.spec, cost=None, batch_costs=())
+        # what the measuring steps accept is not the workload's: later requests must not
+        # start from it
+        learned = (list(self._accepted), list(self._verified), self._verify_steps)
         ids = [self.submit([(7 * i + 11 * r + 3) % vocab for i in range(context)],
                            SamplingParams(max_new_tokens=budget, ignore_eos=True),
                            speculative=speculative, reuse=False) for r in range(batch)]
@@ -593,6 +611,7 @@ class Engine:
             self.result(seq_id)
         self.clear_cache()
         self.spec = spec
+        self._accepted, self._verified, self._verify_steps = learned
         return (context, [statistics.median(t) for t in target],
                 [statistics.median(d) for d in draft])
 

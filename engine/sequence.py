@@ -81,6 +81,10 @@ class Sequence:
     # acceptance (accepted, verified per draft position) of the requests before this one: how
     # many drafts to verify until its own first blocks are counted
     prior: tuple[list[int], list[int]] | None = None
+    # with step costs: plain steps since this sequence last verified drafts, and after how many
+    # it probes a full block again (SpecConfig.probe_gap, doubling after each probe)
+    plain_run: int = 0
+    probe_gap: int = 0
     prediction: list[int] | None = None  # the caller's guess of the output, while it holds
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: Exception | None = None

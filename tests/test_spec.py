@@ -231,8 +231,8 @@ def test_step_costs_shorten_verification_losslessly(pair):
     steep = StepCost(0.0, tuple(1.0 + 0.2 * k for k in range(8)))  # each verified token: +0.2
     for cost, probes in ((never, 3), (steep, 2), (None, 3)):
         spec = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                      spec=SpecConfig(8, cost=cost, probe_steps=probes)).generate(
-                          prompts, params, trace=True)
+                      spec=SpecConfig(8, cost=cost, probe_steps=probes, probe_gap=1000)
+                      ).generate(prompts, params, trace=True)
         assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
         lengths = [[len(d) for d in c.counters.drafts] for c in spec]
         for c, drafted in zip(spec, lengths):
@@ -245,6 +245,41 @@ def test_step_costs_shorten_verification_losslessly(pair):
                 assert all(n < 7 for n in drafted[probes:])
             else:  # always full blocks (shorter only in the last steps, where the budget ends)
                 assert drafted[:-7] == [7] * (len(drafted) - 7) and len(drafted) > probes
+
+
+def test_a_request_decoding_plainly_probes_a_full_block_at_doubling_gaps(pair):
+    """Where no verify length pays, a request decodes token by token but verifies one full
+    block after `probe_gap` plain steps, then after twice as many (lossless throughout)."""
+    model, drafter = pair
+    prompt = prompts_for(1, 16, seed=78)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    (plain,) = Engine(model, CacheConfig(4, 512)).generate(prompt, params)
+    never = StepCost(100.0, (1.0,) * 8)
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
+                    spec=SpecConfig(8, cost=never, probe_steps=2, probe_gap=4))
+    seq = engine.submit(prompt[0], params)
+    verified = []   # per decode step: drafts verified (0: a plain step)
+    while engine.has_work():
+        for u in engine.step():
+            if u.new_token_ids:
+                verified.append(u.draft_tokens)
+    assert engine.result(seq).output_ids == plain.output_ids
+    steps = verified[1:]   # the first update is the prefill's token
+    probes = [i for i, n in enumerate(steps) if n]
+    assert probes[:2] == [0, 1] and all(steps[i] == 7 for i in probes[:-1])
+    gaps = [b - a - 1 for a, b in zip(probes[1:], probes[2:])]
+    assert gaps[:3] == [4, 8, 16], steps
+
+
+def test_measuring_step_costs_leaves_no_acceptance_behind(pair):
+    """The measuring steps' drafts are not the workload's: the next request does not start
+    from their acceptance (it probes full blocks of its own)."""
+    model, drafter = pair
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(8))
+    engine.spec = SpecConfig(8, cost=engine.measure_step_cost(context=16, steps=8))
+    assert engine.counters.draft_forwards > 16   # more than a prior needs
+    seq = engine.submit(prompts_for(1, 16, seed=79)[0], SamplingParams(max_new_tokens=8))
+    assert engine._seqs[seq].prior is None
 
 
 def test_measured_step_costs_are_relative_to_a_plain_step(pair):
