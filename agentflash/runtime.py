@@ -177,18 +177,19 @@ class Runtime:
         self.log = RunLog(log) if log is not None else None
         # step times: plain decode steps at batch 1 (at a short and a long context: attention
         # grows with it) are the counterfactual of saved_by_speculation_usd, and the cost of
-        # speculative steps in plain steps (at batch 1, 4 and 16) is what speculation="auto"
-        # weighs a request's acceptance against (how many drafts to verify)
+        # speculative steps in plain steps (at batch 1 at both contexts, and at batch 4 and 16)
+        # is what speculation="auto" weighs a request's acceptance against (how many drafts to
+        # verify)
         self.step_cost: StepCost | None = None
         self._plain_at: tuple[tuple[int, float], ...] = ()
         if engine.drafter is not None:
             cost = self.step_cost = engine.measure_step_cost()
+            long = engine.measure_step_cost(context=min(2048, engine.max_model_len // 2))
             if speculation == "auto":
                 engine.spec = dataclasses.replace(
-                    engine.spec, cost=cost, batch_costs=self._batch_costs(engine))
-            long = min(2048, engine.max_model_len // 2)
-            self._plain_at = ((cost.context, cost.plain_s),
-                              (long, engine.measure_plain_step(long)))
+                    engine.spec, cost=cost, long_cost=long,
+                    batch_costs=self._batch_costs(engine))
+            self._plain_at = ((cost.context, cost.plain_s), (long.context, long.plain_s))
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Condition()
         self._live: dict[int, Generation] = {}

@@ -257,6 +257,19 @@ class StepCost:
         """A speculative step that verifies k tokens: the anchor and k - 1 drafts."""
         return self.draft + self.verify[k - 1]
 
+    def at_context(self, longer: StepCost, context: int) -> StepCost:
+        """These costs and `longer`'s (the same batch at a longer context) interpolated
+        linearly to `context`, clamped to the two: attention grows with the context, so a
+        verify row costs more of a plain step there."""
+        span = longer.context - self.context
+        t = min(max((context - self.context) / span, 0.0), 1.0) if span > 0 else 0.0
+        if t == 0.0 or t == 1.0:
+            return self if t == 0.0 else longer
+        mix = lambda a, b: a + t * (b - a)   # noqa: E731
+        return StepCost(mix(self.draft, longer.draft),
+                        tuple(mix(a, b) for a, b in zip(self.verify, longer.verify)),
+                        mix(self.plain_s, longer.plain_s), context, self.batch)
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -268,13 +281,17 @@ class SpecConfig:
     verify step checks the whole block. While it decodes token by token, a request still
     verifies one full block after `probe_gap` plain steps, then after twice as many, up to 16
     times as many: a reply whose text turns predictable (a tool call after prose) speculates
-    again, and the acceptance the next requests start from stays current. `batch_costs`: the same measured with more requests
-    decoding at once (a verify token costs more, relative to a plain step, once the forward is
-    compute-bound); a request decides with the costs of the batch size nearest its step's."""
+    again, and the acceptance the next requests start from stays current.
+
+    `batch_costs`: the same measured with more requests decoding at once (a verify token costs
+    more, relative to a plain step, once the forward is compute-bound); a request decides with
+    the costs of the batch size nearest its step's. `long_cost`: the batch-1 costs at a longer
+    context; a request decoding alone decides with the two interpolated to its context."""
 
     block_size: int | None = None
     cost: StepCost | None = None
     batch_costs: tuple[StepCost, ...] = ()
+    long_cost: StepCost | None = None
     probe_steps: int = 4
     probe_gap: int = 16
     MIN_BLOCK = 2
@@ -283,17 +300,21 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.probe_steps < 1 or self.probe_gap < 1:
             raise ValueError("probe_steps and probe_gap must be >= 1")
-        if self.batch_costs and self.cost is None:
-            raise ValueError("batch_costs need the batch-1 cost too")
+        if (self.batch_costs or self.long_cost) and self.cost is None:
+            raise ValueError("batch_costs and long_cost need the batch-1 cost too")
         if self.block_size is not None and not self.MIN_BLOCK <= self.block_size <= self.MAX_BLOCK:
             raise ValueError(
                 f"block_size must be in [{self.MIN_BLOCK}, {self.MAX_BLOCK}], got {self.block_size}"
             )
 
-    def cost_at(self, batch: int) -> StepCost | None:
-        """The step costs measured at the batch size nearest `batch` (in ratio)."""
+    def cost_at(self, batch: int, context: int = 0) -> StepCost | None:
+        """The step costs measured at the batch size nearest `batch` (in ratio); at batch 1,
+        interpolated to `context` where `long_cost` was measured."""
         if self.cost is None:
             return None
         batch = max(1, batch)
-        return min((self.cost, *self.batch_costs),
-                   key=lambda c: max(c.batch, batch) / min(c.batch, batch))
+        nearest = min((self.cost, *self.batch_costs),
+                      key=lambda c: max(c.batch, batch) / min(c.batch, batch))
+        if nearest is self.cost and self.long_cost is not None:
+            return self.cost.at_context(self.long_cost, context)
+        return nearest

@@ -34,7 +34,7 @@ from .runner import ModelRunner
 from .sampler import SamplingParams, make_generator
 from .scheduler import BatchItem, Scheduler
 from .sequence import SeqCounters, Sequence, Status
-from .spec import Rows, Verdict, judge, verify_length
+from .spec import Rows, Verdict, judge, verify_length, with_prior
 
 PRIOR_STEPS = 16
 """Verify steps the engine must have seen before a new request starts from their acceptance
@@ -468,12 +468,16 @@ class Engine:
         if seq.drafts and not seq.predicting and self.spec.cost is not None:
             # after every step, plain ones too: a request that decodes plainly in a big batch
             # speculates again once the batch shrinks. Until its own probe blocks are done, a
-            # request goes by the acceptance of the requests before it (when there were any)
-            stats = ((c.accepted_per_position, c.verified_per_position)
-                     if len(c.acceptance_lengths) >= self.spec.probe_steps else seq.prior)
+            # request goes by the acceptance of the requests before it (when there were any),
+            # less and less as its own blocks add up
+            own = (c.accepted_per_position, c.verified_per_position)
+            probed = len(c.acceptance_lengths)
+            stats = (own if probed >= self.spec.probe_steps else None if seq.prior is None
+                     else with_prior(own, seq.prior, self.spec.probe_steps - probed))
             if stats is not None:
                 seq.block_size = self._explore(seq, verify_length(
-                    *stats, self.block_size, self.spec.cost_at(self._decoding)))
+                    *stats, self.block_size,
+                    self.spec.cost_at(self._decoding, seq.num_tokens)))
         if seq.finish_reason is not None:
             update = self._finish(seq, update)
         return update
@@ -546,12 +550,6 @@ class Engine:
                 raise r.error
         return results
 
-    def measure_plain_step(self, context: int, steps: int = 8) -> float:
-        """Seconds of one plain decode step at batch 1 after a `context`-token prompt (shorter
-        where the model's context is). Needs an idle engine; clears the prefix cache."""
-        _, target, _ = self._time_blocks(context, [1], steps, speculative=False)
-        return target[0]
-
     def measure_step_cost(self, context: int = 256, steps: int = 8, batch: int = 1) -> StepCost:
         """A plain decode step of `batch` requests after a `context`-token prompt each (shorter
         where the model's context is), and the cost of drafter forwards and of verifying 2, 4,
@@ -560,14 +558,14 @@ class Engine:
         prefix cache."""
         assert self.drafter is not None, "needs a speculative engine"
         lengths = [k for k in (1, 2, 4, 8) if k < self.block_size] + [self.block_size]
-        context, target, draft = self._time_blocks(context, lengths, steps, True, batch)
+        context, target, draft = self._time_blocks(context, lengths, steps, batch)
         plain = target[0]
         verify = tuple(float(v) / plain for v in
                        _interpolate(lengths, target, range(1, self.block_size + 1)))
         return StepCost(sum(draft[1:]) / len(draft[1:]) / plain, verify, plain, context, batch)
 
     def _time_blocks(
-        self, context: int, blocks: list[int], steps: int, speculative: bool, batch: int = 1
+        self, context: int, blocks: list[int], steps: int, batch: int = 1
     ) -> tuple[int, list[float], list[float]]:
         """`batch` synthetic requests: a `context`-token prompt each, a warm-up step at each
         verify length in `blocks`, then `steps` rounds of one step at each length (interleaved,
@@ -590,7 +588,7 @@ class Engine:
         learned = (list(self._accepted), list(self._verified), self._verify_steps)
         ids = [self.submit([(7 * i + 11 * r + 3) % vocab for i in range(context)],
                            SamplingParams(max_new_tokens=budget, ignore_eos=True),
-                           speculative=speculative, reuse=False) for r in range(batch)]
+                           reuse=False) for r in range(batch)]
         seqs = [self._seqs[i] for i in ids]
         while any(seq.prefilling for seq in seqs) or len(self.scheduler.running) < batch:
             self.step()  # admit and prefill them all

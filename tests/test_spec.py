@@ -16,7 +16,7 @@ from agentflash.engine.errors import DrafterMismatchError
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams, target_probs
-from agentflash.engine.spec import verify_length
+from agentflash.engine.spec import verify_length, with_prior
 from conftest import make_dflash_checkpoint, make_hf_model
 
 
@@ -220,6 +220,24 @@ def test_verify_length_maximises_tokens_per_unit_of_time():
     # positions never verified are not extrapolated: a request shortened to 3 stays <= 3 ...
     assert verify_length([90, 80] + [0] * 13, [100, 100] + [0] * 13, 16, flat) == 3
     assert verify_length([], [], 16, flat) == 1                  # ... and with no data, plain
+
+
+def test_step_costs_follow_the_context_and_the_prior_fades():
+    short = StepCost(1.0, (1.0, 2.0), 0.001, context=256)
+    long = StepCost(1.2, (1.0, 3.0), 0.002, context=2256)
+    mid = short.at_context(long, 1256)
+    assert mid.context == 1256 and mid.verify == (1.0, 2.5)
+    assert mid.draft == pytest.approx(1.1) and mid.plain_s == pytest.approx(0.0015)
+    assert short.at_context(long, 10) is short and short.at_context(long, 9999) is long
+    spec = SpecConfig(8, cost=short, long_cost=long)
+    assert spec.cost_at(1, 1256) == mid
+    assert SpecConfig(8, cost=short).cost_at(1, 1256) is short
+    # a request's own counts plus the prior's rates counted as `weight` steps of each position
+    accepted, verified = with_prior(([2, 0], [2, 2]), ([80, 40, 0], [100, 100, 0]), 2.0)
+    assert accepted == pytest.approx([3.6, 0.8, 0.0]) and verified == [4.0, 4.0, 0.0]
+    # near a tie, plain steps: a verify length must commit MIN_GAIN times a plain step's rate
+    tie = StepCost(0.0, (1.0, 1.5))
+    assert verify_length([1], [2], 2, tie) == 1 and verify_length([3], [4], 2, tie) == 2
 
 
 def test_step_costs_shorten_verification_losslessly(pair):

@@ -242,7 +242,9 @@ def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: 
     engine = Engine.from_dir(model_dir, draft=draft, quantize=quantize, compile=compile)
     if auto:
         with torch.inference_mode():
-            engine.spec = dataclasses.replace(engine.spec, cost=engine.measure_step_cost())
+            long = min(2048, engine.max_model_len // 2)   # as Runtime.load measures them
+            engine.spec = dataclasses.replace(engine.spec, cost=engine.measure_step_cost(),
+                                              long_cost=engine.measure_step_cost(context=long))
 
     def run(prompt: list[int], params: SamplingParams) -> Run:
         c = engine.counters
