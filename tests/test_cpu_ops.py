@@ -135,6 +135,32 @@ def test_attention_matches_float32_and_rows_are_independent(heads, kv_heads, dim
         assert torch.equal(alone[0], out[t])
 
 
+def test_attention_is_the_same_however_the_work_is_split():
+    """Many sequences (a thread takes whole runs), one (its key segments spread over the
+    threads), one thread or two: every query's output is bit for bit the same."""
+    page, n = 16, 8
+    k_cache, v_cache = _bf16(8192, 8, 128, seed=0), _bf16(8192, 8, 128, seed=1)
+    table = torch.randperm(512, generator=torch.Generator().manual_seed(2)).view(n, 64)
+    keys = torch.tensor([1, 127, 128, 129, 300, 513, 1000, 1024])  # around segment edges
+    q, seq = _bf16(n, 16, 128, seed=3), torch.arange(n)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            outs.append(cpu_ops.paged_attention(q, k_cache, v_cache, table, page, seq, keys,
+                                                0.088))
+            for t in range(n):
+                alone = cpu_ops.paged_attention(q[t:t + 1], k_cache, v_cache, table, page,
+                                                seq[t:t + 1], keys[t:t + 1], 0.088)
+                assert torch.equal(alone[0], outs[-1][t])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    want = _reference_attention(q, k_cache, v_cache, table, page, seq, keys, 0.088)
+    assert (outs[0].float() - want).abs().max() < 0.02
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_over_new_rows_is_the_same_as_over_them_in_the_pool(causal):
     """Drafter blocks: keys past each sequence's cached context come from the block's own rows

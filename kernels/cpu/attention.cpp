@@ -11,12 +11,10 @@
 // With k_new / v_new [T, Hkv, D] and cached [B] (the DFlash drafter's blocks, whose own K/V are
 // not in the pool), key j >= cached[seq] of a run of queries t0 .. t1 - 1 is instead row
 // t0 + j - cached[seq] of k_new / v_new: the run's own rows. This file checks the arguments,
-// finds the runs of consecutive queries of one sequence and splits (run, KV head) pairs over
-// threads; attention_<isa>.cpp computes them (kernels.h: every output row depends on its query
-// and keys alone).
+// finds the runs of consecutive queries of one sequence; attention_<isa>.cpp splits them over
+// threads and computes them (kernels.h: every output row depends on its query and keys alone).
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -104,29 +102,13 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
     }
   }
   at::Tensor out = at::empty({T, Hq, D}, qc.options());
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
-  const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t G = Hq / Hkv, slot_stride = Hkv * D;
-  const float fscale = static_cast<float>(scale);
-  const uint16_t* knp = with_new ? reinterpret_cast<const uint16_t*>(kn_c.data_ptr()) : nullptr;
-  const uint16_t* vnp = with_new ? reinterpret_cast<const uint16_t*>(vn_c.data_ptr()) : nullptr;
-  // one task per (run, KV head): its queries and their G heads share each block of keys
-  at::parallel_for(0, static_cast<int64_t>(runs.size()) * Hkv, 1,
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t item = begin; item < end; ++item) {
-                       const auto [t0, t1] = runs[item / Hkv];
-                       const int64_t g = item % Hkv, b = seq[t0];
-                       const int64_t first = (t0 * Hkv + g) * D;
-                       const agentflash_cpu::KvSource src{
-                           kp, vp, table + b * P, page_size, slot_stride,
-                           with_new ? pooled[b] : L, with_new ? knp + first : nullptr,
-                           with_new ? vnp + first : nullptr};
-                       agentflash_cpu::attend_run(
-                           D, src, {qp, keys, t0, t1, g, G, Hq, fscale, op});
-                     }
-                   });
+  const auto bf16 = [](const at::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr());
+  };
+  agentflash_cpu::attend_all({bf16(qc), bf16(k_cache), bf16(v_cache), table, P, page_size, seq,
+                              keys, Hq, Hkv, D, static_cast<float>(scale),
+                              with_new ? bf16(kn_c) : nullptr, with_new ? bf16(vn_c) : nullptr,
+                              pooled, reinterpret_cast<uint16_t*>(out.data_ptr()), &runs});
   return out;
 }
 

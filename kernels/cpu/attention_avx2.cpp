@@ -1,18 +1,28 @@
-// The AVX2 (+FMA) implementation of attention.cpp's `attend_run` (kernels.h), for CPUs without
+// The AVX2 (+FMA) implementation of attention.cpp's `attend_all` (kernels.h), for CPUs without
 // native bfloat16 arithmetic: keys, values and queries are widened to float32 in registers.
 //
-// Keys go in chunks at fixed positions (32 keys at head_dim 64, 16 at 128, 8 above). Each chunk
-// is widened once per (run of queries of a sequence, KV head) into a float32 scratch that stays
-// in L1, every 16 elements of a key or value split into their even and odd elements
-// (simd_avx2.h: widen16); the queries are widened the same way once per run. Per query head and
-// chunk: each key's score is one accumulator of 8 lanes taking the even and then the odd
-// products of every 16 elements by FMA, 8 keys' accumulators summed across lanes by one fixed
-// tree (lane_sums8), scaled (keys it does not see: -inf); one online softmax step for the chunk
+// The work: a run's keys go in segments of kSegment keys at fixed positions (0-127, 128-255, ..).
+// A thread takes a run's segment with all its KV heads, and before computing a chunk of keys
+// it reads the chunk's K and V slots (every head's row of each key) front to back, one load
+// per cache line, so that the hardware prefetcher streams them (touch). A thread per KV head
+// reading its 256 B of every 2 KB slot (0.6B's sizes) got about half the memory bandwidth
+// (docs/performance.md). With at least twice as many runs as threads a thread takes whole
+// runs instead (the same arithmetic).
+//
+// Within a segment keys go in chunks at fixed positions (32 keys at head_dim 64, 16 at 128, 8
+// above), and per chunk each KV head's rows (query, head) that see any of its keys are updated.
+// Up to kRows rows read the keys and values in place, widening every 16 elements into their
+// even and odd halves in registers (simd_avx2.h: widen16); more rows share one widening of the
+// chunk into a float32 scratch laid out the same way (the same values, the same arithmetic).
+// Per row and chunk: each key's score is one accumulator of 8 lanes taking the even and then
+// the odd products of every 16 elements by FMA, 8 keys' accumulators summed across lanes by one
+// fixed tree (lane_sums8), scaled (keys it does not see: -inf); one online softmax step
 // (running maximum and sum, the output rescaled by exp(old - new max)); then the output
-// accumulates weight_j * value_j for the chunk's keys in order, in float32. At the end the
-// output is divided by the sum and rounded once to bfloat16. That sequence depends only on the
-// query, its keys and how many it sees, never on what else is in the call or which thread runs
-// it.
+// accumulates weight_j * value_j for the chunk's keys in order, in float32. Each segment starts
+// empty; a row's segments are folded in order (max m of the two maxima, sums and outputs scaled
+// by exp(their max - m) and added), and the output is divided by the sum and rounded once to
+// bfloat16. That sequence depends only on the query, its keys and how many it sees, never on
+// what else is in the call or which thread runs which segment.
 
 #include <ATen/cpu/vec/vec.h>
 
@@ -21,13 +31,14 @@
 #include <limits>
 #include <vector>
 
+#include <ATen/Parallel.h>
+
 #include "kernels.h"
 #include "simd_avx2.h"
 
 namespace {
 
-using agentflash_cpu::KvSource;
-using agentflash_cpu::QueryRun;
+using agentflash_cpu::AttentionCall;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -52,6 +63,8 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
+constexpr int64_t kSegment = 128;  // keys per segment (a multiple of every chunk size)
+
 // `n` rows of D bfloat16 values widened into `out` (even / odd halves of each 16 elements),
 // then zero rows up to `rows`.
 template <int D>
@@ -71,19 +84,38 @@ inline void widen_rows(const uint16_t* const* src, int n, int rows, float* out) 
     }
 }
 
+// A chunk's keys (or values) as float32 vectors: vector v of row j holds the even (v even) or
+// odd (v odd) elements of the row's elements 16 (v / 2) .. 16 (v / 2) + 15, as widen_rows lays
+// a row out. Widened: rows widen_rows wrote; InPlace: the bfloat16 rows, widened as read.
+template <int D>
+struct Widened {
+  const float* rows;
+  __m256 load(int j, int v) const { return _mm256_load_ps(rows + j * D + 8 * v); }
+};
+
+struct InPlace {
+  const uint16_t* const* rows;
+  __m256 load(int j, int v) const {
+    const __m256i raw =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + 16 * (v / 2)));
+    return v % 2 == 0 ? _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16))
+                      : _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(-65536)));
+  }
+};
+
 constexpr int kKeys = 4;   // keys whose scores a group of rows accumulates at once
 constexpr int kRows = 3;   // rows in a group: 3 x 4 accumulators, 3 query vectors, 1 key vector
 constexpr int kOut = 4;    // output vectors per row a group accumulates at once
 
-// The scores of NR widened query rows with a chunk of KC widened keys: s[r][v] holds keys
-// 8v .. 8v+7, scaled, keys from valid[r] on -inf. Each (row, key) pair's products accumulate in
-// 8 lanes (the even, then the odd halves of every 16 elements), summed by one fixed tree
-// (lane_sums8) per 8 keys. A group loads each query half once for 4 keys and each key half once
-// for its NR rows: this CPU kind sustains about one vector load per FMA pair (measured), so
-// loads, not FMAs, bound a loop that reloads its operands.
-template <int D, int KC, int NR>
+// The scores of NR widened query rows with a chunk of KC keys: s[r][v] holds keys 8v .. 8v+7,
+// scaled, keys from valid[r] on -inf. Each (row, key) pair's products accumulate in 8 lanes
+// (the even, then the odd halves of every 16 elements), summed by one fixed tree (lane_sums8)
+// per 8 keys. A group loads each query half once for 4 keys and each key half once for its NR
+// rows: this CPU kind sustains about one vector load per FMA pair (measured), so loads, not
+// FMAs, bound a loop that reloads its operands.
+template <int D, int KC, int NR, typename Keys>
 __attribute__((always_inline)) inline void group_scores(const float* const (&q)[NR],
-                                                        const float* keys, const int (&valid)[NR],
+                                                        const Keys& keys, const int (&valid)[NR],
                                                         float scale, __m256 (&s)[NR][KC / 8]) {
   alignas(32) __m256 part[NR][KC];
 #pragma GCC unroll 1
@@ -95,13 +127,12 @@ __attribute__((always_inline)) inline void group_scores(const float* const (&q)[
       for (int j = 0; j < kKeys; ++j) acc[r][j] = _mm256_setzero_ps();
 #pragma GCC unroll 2
     for (int half = 0; half < D / 8; ++half) {  // the even, then the odd half of each 16
-      const int at = 16 * (half / 2) + 8 * (half % 2);
       __m256 qv[NR];
 #pragma GCC unroll 3
-      for (int r = 0; r < NR; ++r) qv[r] = _mm256_load_ps(q[r] + at);
+      for (int r = 0; r < NR; ++r) qv[r] = _mm256_load_ps(q[r] + 8 * half);
 #pragma GCC unroll 4
       for (int j = 0; j < kKeys; ++j) {
-        const __m256 kv = _mm256_load_ps(keys + (j0 + j) * D + at);
+        const __m256 kv = keys.load(j0 + j, half);
 #pragma GCC unroll 3
         for (int r = 0; r < NR; ++r) acc[r][j] = _mm256_fmadd_ps(qv[r], kv, acc[r][j]);
       }
@@ -124,12 +155,14 @@ __attribute__((always_inline)) inline void group_scores(const float* const (&q)[
     }
 }
 
-// The outputs of NR rows after a chunk: out[r] = out[r] * rescale[r], then + w[r][j] * value_j
-// for j = 0 .. KC - 1 in order. A group loads each value vector once for its NR rows.
-template <int D, int KC, int NR>
+// The outputs of NR rows after a chunk: out[r] = out[r] * rescale[r] (0 for a row's first
+// chunk: nothing to rescale), then + w[r][j] * value_j for j = 0 .. KC - 1 in order. A group
+// loads each value vector once for its NR rows.
+template <int D, int KC, int NR, typename Values>
 __attribute__((always_inline)) inline void group_values(const float (&w)[NR][KC],
                                                         const float (&rescale)[NR],
-                                                        const float* values,
+                                                        const bool (&first)[NR],
+                                                        const Values& values,
                                                         float* const (&out)[NR]) {
 #pragma GCC unroll 1
   for (int u0 = 0; u0 < D / 8; u0 += kOut) {
@@ -138,8 +171,9 @@ __attribute__((always_inline)) inline void group_values(const float (&w)[NR][KC]
     for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
       for (int u = 0; u < kOut; ++u)
-        o[r][u] = _mm256_mul_ps(_mm256_load_ps(out[r] + 8 * (u0 + u)),
-                                _mm256_set1_ps(rescale[r]));
+        o[r][u] = first[r] ? _mm256_setzero_ps()
+                           : _mm256_mul_ps(_mm256_load_ps(out[r] + 8 * (u0 + u)),
+                                           _mm256_set1_ps(rescale[r]));
 #pragma GCC unroll 2
     for (int j = 0; j < KC; ++j) {
       __m256 p[NR];
@@ -147,7 +181,7 @@ __attribute__((always_inline)) inline void group_values(const float (&w)[NR][KC]
       for (int r = 0; r < NR; ++r) p[r] = _mm256_broadcast_ss(&w[r][j]);
 #pragma GCC unroll 4
       for (int u = 0; u < kOut; ++u) {
-        const __m256 vv = _mm256_load_ps(values + j * D + 8 * (u0 + u));
+        const __m256 vv = values.load(j, u0 + u);
 #pragma GCC unroll 3
         for (int r = 0; r < NR; ++r) o[r][u] = _mm256_fmadd_ps(p[r], vv, o[r][u]);
       }
@@ -159,28 +193,43 @@ __attribute__((always_inline)) inline void group_values(const float (&w)[NR][KC]
   }
 }
 
+// Rows' state: the running maximum and sum and the unnormalised output of each (query, head)
+// row of a run, row r = (t - t0) * Hq + head; outputs laid out as widen_rows lays out a row.
+struct State {
+  float* max;  // [R]
+  float* sum;  // [R]
+  float* out;  // [R * D], 32-byte aligned
+};
+
 // NR rows' state after a chunk of KC keys (row i sees the first valid[i] of them): scores, one
 // online softmax step per row (running maximum and sum; the output rescaled by
 // exp(old - new max)), the values weighted (unseen keys weigh 0).
-template <int D, int KC, int NR>
-__attribute__((always_inline)) inline void update_rows(const float* const (&q)[NR],
-                                                       const int (&valid)[NR],
-                                                       float* (&max)[NR], float* (&sum)[NR],
-                                                       float* const (&out)[NR],
-                                                       const float* keys, const float* values,
-                                                       float scale) {
+template <int D, int KC, int NR, typename Keys>
+inline void update_group(const State& st, const float* qs, const int64_t* rows,
+                         const int* valid_of, const Keys& keys, const Keys& values, float scale) {
+  const float* q[NR];
+  float* out[NR];
+  int valid[NR];
+  for (int i = 0; i < NR; ++i) {
+    q[i] = qs + rows[i] * D;
+    out[i] = st.out + rows[i] * D;
+    valid[i] = valid_of[i];
+  }
   __m256 s[NR][KC / 8];
   group_scores<D, KC, NR>(q, keys, valid, scale, s);
   alignas(32) float w[NR][KC];
   float rescale[NR];
+  bool first[NR];  // the row's first keys: its sum and output are not set yet
 #pragma GCC unroll 3
   for (int r = 0; r < NR; ++r) {
+    float& max = st.max[rows[r]];
+    first[r] = max == -kInf;
     __m256 top = s[r][0];
 #pragma GCC unroll 4
     for (int v = 1; v < KC / 8; ++v) top = _mm256_max_ps(top, s[r][v]);
-    const float new_max = std::max(*max[r], lane_max(top));
+    const float new_max = std::max(max, lane_max(top));
     const __m256 m = _mm256_set1_ps(new_max);
-    rescale[r] = _mm256_cvtss_f32(exp8(_mm256_set1_ps(*max[r] - new_max)));  // exp(0) = 1
+    rescale[r] = _mm256_cvtss_f32(exp8(_mm256_set1_ps(max - new_max)));  // exp(0) = 1
     __m256 total = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int v = 0; v < KC / 8; ++v) {
@@ -188,109 +237,235 @@ __attribute__((always_inline)) inline void update_rows(const float* const (&q)[N
       _mm256_store_ps(&w[r][8 * v], p);
       total = _mm256_add_ps(total, p);
     }
-    *max[r] = new_max;
-    *sum[r] = *sum[r] * rescale[r] + lane_sum(total);
+    max = new_max;
+    st.sum[rows[r]] = first[r] ? lane_sum(total) : st.sum[rows[r]] * rescale[r] + lane_sum(total);
   }
-  group_values<D, KC, NR>(w, rescale, values, out);
+  group_values<D, KC, NR>(w, rescale, first, values, out);
 }
 
-// The running state of a run's query heads: row r is query t0 + r / G, head r % G; q and out
-// are laid out as widen_rows lays out a row.
-struct Rows {
-  std::vector<float> max, sum, q, out;  // [R], [R], [R * D], [R * D] (+ alignment)
-  float* qs;
-  float* outs;
-  void reset(int64_t rows, int64_t dim) {
-    max.assign(rows, -kInf);
-    sum.assign(rows, 0.f);
-    q.resize(rows * dim + 8);
-    out.assign(rows * dim + 8, 0.f);
-    qs = aligned(q);
-    outs = aligned(out);
-  }
-  static float* aligned(std::vector<float>& v) {
-    return reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(v.data()) + 31) & ~static_cast<uintptr_t>(31));
-  }
-};
-
-// update_rows for the NR rows listed first in `rows` (of at least NR) of the state.
-template <int D, int KC, int NR>
-inline void update_group(Rows& st, const int64_t* rows, const int* valid_of, const float* keys,
-                         const float* values, float scale) {
-  const float* q[NR];
-  float* out[NR];
-  float* max[NR];
-  float* sum[NR];
-  int valid[NR];
-  for (int i = 0; i < NR; ++i) {
-    q[i] = st.qs + rows[i] * D;
-    out[i] = st.outs + rows[i] * D;
-    max[i] = &st.max[rows[i]];
-    sum[i] = &st.sum[rows[i]];
-    valid[i] = valid_of[i];
-  }
-  update_rows<D, KC, NR>(q, valid, max, sum, out, keys, values, scale);
+// update_group over `n` rows, kRows at a time.
+template <int D, int KC, typename Keys>
+inline void update_rows(const State& st, const float* qs, const int64_t* rows, const int* valid,
+                        int64_t n, const Keys& keys, const Keys& values, float scale) {
+  int64_t i = 0;
+  for (; i + kRows <= n; i += kRows)
+    update_group<D, KC, kRows>(st, qs, rows + i, valid + i, keys, values, scale);
+  if (n - i == 2) update_group<D, KC, 2>(st, qs, rows + i, valid + i, keys, values, scale);
+  if (n - i == 1) update_group<D, KC, 1>(st, qs, rows + i, valid + i, keys, values, scale);
 }
 
+// The most keys any of run i's queries sees.
+int64_t longest(const AttentionCall& c, size_t i) {
+  int64_t most = 0;
+  for (int64_t t = (*c.runs)[i].first; t < (*c.runs)[i].second; ++t)
+    most = std::max(most, c.keys[t]);
+  return most;
+}
+
+alignas(32) const uint16_t kZeroRow[agentflash_cpu::kMaxHeadDim] = {};
+
+// Reads n K or V slots (every KV head's row of a key) front to back, one load per cache line:
+// a stream the hardware prefetcher follows, so the heads that follow find them in cache. Read
+// head by head (at 0.6B, 256 B pieces of 2 KB slots) the prefetcher does not follow them.
+inline void touch(const uint16_t* const* slots, int n, int64_t slot) {
+  uint32_t sum = 0;
+  for (int j = 0; j < n; ++j)
+    for (int64_t e = 0; e < slot; e += 32) sum += slots[j][e];
+  asm volatile("" : : "r"(sum));
+}
+
+// Run i's rows over its keys [s0, s1) (s0 a multiple of kSegment, s1 - s0 <= kSegment), into
+// `st` (reset to empty here); qs: the run's queries widened.
 template <int D>
-void attend(const KvSource& src, const QueryRun& run) {
+void attend_segment(const AttentionCall& c, size_t i, int64_t s0, int64_t s1, const float* qs,
+                    const State& st) {
   constexpr int KC = chunk_keys<D>();
   alignas(32) float kchunk[KC * D];
   alignas(32) float vchunk[KC * D];
-  const int64_t t0 = run.t0, t1 = run.t1, g = run.g, G = run.G;
-  const int64_t* keys = run.keys;
-  thread_local Rows st;
-  const int64_t longest = run.longest();
-  st.reset((t1 - t0) * G, D);
-  for (int64_t t = t0; t < t1; ++t)  // the run's query heads, widened once
-    for (int64_t h = 0; h < G; ++h) {
-      const uint16_t* q = run.q + (t * run.Hq + g * G + h) * D;
-      widen_rows<D>(&q, 1, 1, st.qs + ((t - t0) * G + h) * D);
-    }
-  agentflash_cpu::KeyChunks<KC> chunks(src, g, D, longest);
-  for (int64_t k0 = 0; k0 < longest; k0 += KC) {
-    const int in_chunk = chunks.advance(k0);
-    widen_rows<D>(chunks.kr, in_chunk, KC, kchunk);
-    widen_rows<D>(chunks.vr, in_chunk, KC, vchunk);
-    // every row that sees any of this chunk's keys, kRows at a time (rows that see none are
-    // left untouched, as in a call without them)
-    int64_t group[kRows];
-    int valid[kRows];
-    int n = 0;
-    for (int64_t t = t0; t < t1; ++t) {
-      if (keys[t] <= k0) continue;
-      for (int64_t h = 0; h < G; ++h) {
-        group[n] = (t - t0) * G + h;
-        valid[n] = static_cast<int>(std::min<int64_t>(KC, keys[t] - k0));
-        if (++n == kRows) {
-          update_group<D, KC, kRows>(st, group, valid, kchunk, vchunk, run.scale);
-          n = 0;
+  const uint16_t* ks[KC];  // the chunk's slots
+  const uint16_t* vs[KC];
+  const uint16_t* kr[KC];  // their rows at one KV head (zero rows past the chunk's keys)
+  const uint16_t* vr[KC];
+  const int64_t t0 = (*c.runs)[i].first, t1 = (*c.runs)[i].second;
+  const int64_t G = c.Hq / c.Hkv, R = (t1 - t0) * c.Hq, slot = c.Hkv * D;
+  std::fill(st.max, st.max + R, -kInf);  // sums and outputs are set by a row's first keys
+  thread_local std::vector<int64_t> rows;
+  thread_local std::vector<int> valid;
+  rows.resize((t1 - t0) * G);
+  valid.resize((t1 - t0) * G);
+  for (int64_t k0 = s0; k0 < s1; k0 += KC) {
+    const int n = static_cast<int>(std::min<int64_t>(KC, s1 - k0));
+    agentflash_cpu::key_rows(c.source(i, 0), 0, D, k0, n, ks, vs);
+    touch(ks, n, slot);
+    touch(vs, n, slot);
+    for (int64_t g = 0; g < c.Hkv; ++g) {
+      // the rows that see any of this chunk's keys (rows that see none are left untouched, as
+      // in a call without them)
+      int64_t count = 0;
+      for (int64_t t = t0; t < t1; ++t) {
+        if (c.keys[t] <= k0) continue;
+        for (int64_t h = 0; h < G; ++h) {
+          rows[count] = (t - t0) * c.Hq + g * G + h;
+          valid[count++] = static_cast<int>(std::min<int64_t>(KC, c.keys[t] - k0));
         }
       }
+      if (count == 0) continue;
+      for (int j = 0; j < KC; ++j) {
+        kr[j] = j < n ? ks[j] + g * D : kZeroRow;
+        vr[j] = j < n ? vs[j] + g * D : kZeroRow;
+      }
+      if (count <= kRows) {
+        update_rows<D, KC>(st, qs, rows.data(), valid.data(), count, InPlace{kr},
+                           InPlace{vr}, c.scale);
+      } else {
+        widen_rows<D>(kr, KC, KC, kchunk);
+        widen_rows<D>(vr, KC, KC, vchunk);
+        update_rows<D, KC>(st, qs, rows.data(), valid.data(), count, Widened<D>{kchunk},
+                           Widened<D>{vchunk}, c.scale);
+      }
     }
-    if (n == 2) update_group<D, KC, 2>(st, group, valid, kchunk, vchunk, run.scale);
-    if (n == 1) update_group<D, KC, 1>(st, group, valid, kchunk, vchunk, run.scale);
   }
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t h = 0; h < G; ++h) {
-      const int64_t r = (t - t0) * G + h;
-      const __m256 total = _mm256_set1_ps(st.sum[r]);
-      const float* o = st.outs + r * D;
-      uint16_t* dst = run.out + (t * run.Hq + g * G + h) * D;
-      for (int c = 0; c < D / 16; ++c)
-        agentflash_cpu::store_bf16_16(dst + 16 * c,
-                                      _mm256_div_ps(_mm256_load_ps(o + 16 * c), total),
-                                      _mm256_div_ps(_mm256_load_ps(o + 16 * c + 8), total));
+}
+
+// Folds a segment's state `seg` into a run's running state `acc`, row by row (rows that saw
+// none of the segment's keys stay as they are): m = max(acc, seg), each side scaled by
+// exp(its max - m) and added.
+template <int D>
+void fold(const State& acc, const State& seg, int64_t R) {
+  for (int64_t r = 0; r < R; ++r) {
+    if (seg.max[r] == -kInf) continue;
+    const float m = std::max(acc.max[r], seg.max[r]);
+    const float a = _mm256_cvtss_f32(exp8(_mm256_set1_ps(acc.max[r] - m)));
+    const float b = _mm256_cvtss_f32(exp8(_mm256_set1_ps(seg.max[r] - m)));
+    acc.max[r] = m;
+    acc.sum[r] = acc.sum[r] * a + seg.sum[r] * b;
+    float* o = acc.out + r * D;
+    const float* so = seg.out + r * D;
+    for (int v = 0; v < D / 8; ++v)
+      _mm256_store_ps(o + 8 * v, _mm256_fmadd_ps(_mm256_load_ps(so + 8 * v), _mm256_set1_ps(b),
+                                                 _mm256_mul_ps(_mm256_load_ps(o + 8 * v),
+                                                               _mm256_set1_ps(a))));
+  }
+}
+
+// Run i's queries widened into qs [R * D].
+template <int D>
+void widen_queries(const AttentionCall& c, size_t i, float* qs) {
+  const int64_t t0 = (*c.runs)[i].first, t1 = (*c.runs)[i].second;
+  for (int64_t r = 0; r < (t1 - t0) * c.Hq; ++r) {
+    const uint16_t* q = c.q + (t0 * c.Hq + r) * D;
+    widen_rows<D>(&q, 1, 1, qs + r * D);
+  }
+}
+
+// Run i's outputs from its folded state: out / sum, rounded once to bfloat16.
+template <int D>
+void finish(const AttentionCall& c, size_t i, const State& acc) {
+  const int64_t t0 = (*c.runs)[i].first, t1 = (*c.runs)[i].second;
+  for (int64_t r = 0; r < (t1 - t0) * c.Hq; ++r) {
+    const __m256 total = _mm256_set1_ps(acc.sum[r]);
+    const float* o = acc.out + r * D;
+    uint16_t* dst = c.out + (t0 * c.Hq + r) * D;
+    for (int v = 0; v < D / 16; ++v)
+      agentflash_cpu::store_bf16_16(dst + 16 * v,
+                                    _mm256_div_ps(_mm256_load_ps(o + 16 * v), total),
+                                    _mm256_div_ps(_mm256_load_ps(o + 16 * v + 8), total));
+  }
+}
+
+// Float storage for states: 32-byte aligned pieces carved from one buffer.
+struct Arena {
+  std::vector<float> data;
+  static int64_t size(int64_t R, int64_t D) { return R * D + 2 * ((R + 7) / 8 * 8); }
+  float* base() {
+    return reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(data.data()) + 31) & ~static_cast<uintptr_t>(31));
+  }
+  void reserve(int64_t floats) { data.resize(floats + 8); }
+  static State at(float* p, int64_t R, int64_t D) {
+    const int64_t padded = (R + 7) / 8 * 8;
+    return {p + R * D, p + R * D + padded, p};
+  }
+};
+
+template <int D>
+void attend_all_d(const AttentionCall& c) {
+  const auto& runs = *c.runs;
+  const int64_t n_runs = static_cast<int64_t>(runs.size());
+  const auto rows_of = [&](size_t i) { return (runs[i].second - runs[i].first) * c.Hq; };
+  if (n_runs >= 2 * at::get_num_threads()) {  // whole runs per thread, folded as they go
+    at::parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
+      thread_local Arena qa, aa, sa;
+      for (int64_t item = begin; item < end; ++item) {
+        const size_t i = static_cast<size_t>(item);
+        const int64_t R = rows_of(i);
+        qa.reserve(R * D);
+        aa.reserve(Arena::size(R, D));
+        sa.reserve(Arena::size(R, D));
+        const State acc = Arena::at(aa.base(), R, D), seg = Arena::at(sa.base(), R, D);
+        widen_queries<D>(c, i, qa.base());
+        const int64_t most = longest(c, i);
+        attend_segment<D>(c, i, 0, std::min(most, kSegment), qa.base(), acc);
+        for (int64_t s0 = kSegment; s0 < most; s0 += kSegment) {
+          attend_segment<D>(c, i, s0, std::min(most, s0 + kSegment), qa.base(), seg);
+          fold<D>(acc, seg, R);
+        }
+        finish<D>(c, i, acc);
+      }
+    });
+    return;
+  }
+  // few runs: a task per (run, segment), each state kept, then folded run by run
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (run, first key)
+  std::vector<int64_t> offset;                    // of each task's state in the arena
+  std::vector<int64_t> first_task(n_runs + 1);
+  int64_t floats = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    first_task[i] = static_cast<int64_t>(tasks.size());
+    for (int64_t s0 = 0; s0 < longest(c, i); s0 += kSegment) {
+      tasks.emplace_back(i, s0);
+      offset.push_back(floats);
+      floats += Arena::size(rows_of(i), D);
     }
+  }
+  first_task[n_runs] = static_cast<int64_t>(tasks.size());
+  thread_local Arena states;
+  states.reserve(floats);
+  float* base = states.base();
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local Arena qa;
+    size_t widened = runs.size();  // the run whose queries qa holds (none yet)
+    for (int64_t k = begin; k < end; ++k) {
+      const auto [i, s0] = tasks[k];
+      const int64_t R = rows_of(i);
+      if (i != widened) {
+        qa.reserve(R * D);
+        widen_queries<D>(c, i, qa.base());
+        widened = i;
+      }
+      attend_segment<D>(c, i, s0, std::min(longest(c, i), s0 + kSegment), qa.base(),
+                        Arena::at(base + offset[k], R, D));
+    }
+  });
+  at::parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const size_t i = static_cast<size_t>(item);
+      const int64_t R = rows_of(i);
+      const int64_t k0 = first_task[i];
+      const State acc = Arena::at(base + offset[k0], R, D);  // the first segment's state
+      for (int64_t k = k0 + 1; k < first_task[i + 1]; ++k)
+        fold<D>(acc, Arena::at(base + offset[k], R, D), R);
+      finish<D>(c, i, acc);
+    }
+  });
 }
 
 }  // namespace
 
 namespace agentflash_cpu {
 
-void attend_run(int64_t head_dim, const KvSource& src, const QueryRun& run) {
-  with_head_dim(head_dim, [&](auto dim) { attend<decltype(dim)::value>(src, run); });
+void attend_all(const AttentionCall& call) {
+  with_head_dim(call.D, [&](auto dim) { attend_all_d<decltype(dim)::value>(call); });
 }
 
 }  // namespace agentflash_cpu

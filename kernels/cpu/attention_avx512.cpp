@@ -1,4 +1,5 @@
-// The AVX512-BF16 implementation of attention.cpp's `attend_run` (kernels.h).
+// The AVX512-BF16 implementation of attention.cpp's `attend_all` (kernels.h): one
+// task per (run of queries, KV head), split over threads.
 //
 // Keys go in blocks of 16 at fixed positions (0-15, 16-31, ...). Each block is packed once per
 // (run of queries of a sequence, KV head) for `vdpbf16ps`: its keys transposed into pairs of
@@ -10,6 +11,7 @@
 // once to bfloat16. That sequence depends only on the query, its keys and how many it sees,
 // never on what else is in the call or which thread runs it.
 
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -227,8 +229,19 @@ void attend(const KvSource& src, const QueryRun& run) {
 
 namespace agentflash_cpu {
 
-void attend_run(int64_t head_dim, const KvSource& src, const QueryRun& run) {
-  with_head_dim(head_dim, [&](auto dim) { attend<decltype(dim)::value>(src, run); });
+// One task per (run, KV head): its queries and their G heads share each block of keys.
+void attend_all(const AttentionCall& call) {
+  const int64_t Hkv = call.Hkv;
+  at::parallel_for(0, static_cast<int64_t>(call.runs->size()) * Hkv, 1,
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t item = begin; item < end; ++item) {
+                       const size_t i = static_cast<size_t>(item / Hkv);
+                       const int64_t g = item % Hkv;
+                       with_head_dim(call.D, [&](auto dim) {
+                         attend<decltype(dim)::value>(call.source(i, g), call.run(i, g));
+                       });
+                     }
+                   });
 }
 
 }  // namespace agentflash_cpu

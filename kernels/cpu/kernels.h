@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace agentflash_cpu {
 
@@ -71,8 +73,41 @@ struct QueryRun {
   }
 };
 
-// The run's outputs at its KV head (head_dim: a multiple of 32 up to kMaxHeadDim).
-void attend_run(int64_t head_dim, const KvSource& src, const QueryRun& run);
+// One paged_attention call, its arguments checked (attention.cpp): queries [T, Hq, D] in runs of
+// consecutive queries of one sequence; query t sees the first keys[t] keys of sequence seq[t].
+struct AttentionCall {
+  const uint16_t* q;          // [T, Hq, D]
+  const uint16_t* kp;         // the caches [S, Hkv, D]
+  const uint16_t* vp;
+  const int64_t* table;       // [B, P] pages of each sequence
+  int64_t P;
+  int64_t page_size;
+  const int64_t* seq;         // [T]
+  const int64_t* keys;        // [T]
+  int64_t Hq, Hkv, D;
+  float scale;
+  const uint16_t* kn;         // [T, Hkv, D] the runs' own new rows, or nullptr (then vn, pooled too)
+  const uint16_t* vn;
+  const int64_t* pooled;      // [B] keys of each sequence in the pool (when kn is set)
+  uint16_t* out;              // [T, Hq, D]
+  const std::vector<std::pair<int64_t, int64_t>>* runs;  // [t0, t1) of each run
+
+  // Where run i's keys live at KV head g.
+  KvSource source(size_t i, int64_t g) const {
+    const int64_t t0 = (*runs)[i].first, b = seq[t0];
+    const int64_t first = (t0 * Hkv + g) * D;
+    return {kp, vp, table + b * P, page_size, Hkv * D,
+            kn != nullptr ? pooled[b] : P * page_size, kn != nullptr ? kn + first : nullptr,
+            kn != nullptr ? vn + first : nullptr};
+  }
+  // Run i at KV head g.
+  QueryRun run(size_t i, int64_t g) const {
+    return {q, keys, (*runs)[i].first, (*runs)[i].second, g, Hq / Hkv, Hq, scale, out};
+  }
+};
+
+// Every output of the call (this instruction set's kernels and split of the work over threads).
+void attend_all(const AttentionCall& call);
 
 constexpr int64_t kMaxHeadDim = 256;
 
