@@ -65,22 +65,15 @@ inline float lane_sum(__m256 v) {
 
 constexpr int64_t kSegment = 128;  // keys per segment (a multiple of every chunk size)
 
-// `n` rows of D bfloat16 values widened into `out` (even / odd halves of each 16 elements),
-// then zero rows up to `rows`.
+// `n` rows of D bfloat16 values widened into `out` (even / odd halves of each 16 elements).
 template <int D>
-inline void widen_rows(const uint16_t* const* src, int n, int rows, float* out) {
-  for (int j = 0; j < rows; ++j)
+inline void widen_rows(const uint16_t* const* src, int n, float* out) {
+  for (int j = 0; j < n; ++j)
 #pragma GCC unroll 16
     for (int c = 0; c < D / 16; ++c) {
-      float* dst = out + j * D + 16 * c;
-      if (j < n) {
-        const agentflash_cpu::Widened v = agentflash_cpu::load_widen16(src[j] + 16 * c);
-        _mm256_store_ps(dst, v.even);
-        _mm256_store_ps(dst + 8, v.odd);
-      } else {
-        _mm256_store_ps(dst, _mm256_setzero_ps());
-        _mm256_store_ps(dst + 8, _mm256_setzero_ps());
-      }
+      const agentflash_cpu::Widened v = agentflash_cpu::load_widen16(src[j] + 16 * c);
+      _mm256_store_ps(out + j * D + 16 * c, v.even);
+      _mm256_store_ps(out + j * D + 16 * c + 8, v.odd);
     }
 }
 
@@ -201,18 +194,22 @@ struct State {
   float* out;  // [R * D], 32-byte aligned
 };
 
-// NR rows' state after a chunk of KC keys (row i sees the first valid[i] of them): scores, one
-// online softmax step per row (running maximum and sum; the output rescaled by
+// NR rows' state after a chunk of KC keys (row head + rows[i] sees the first valid[i] of them):
+// scores, one online softmax step per row (running maximum and sum; the output rescaled by
 // exp(old - new max)), the values weighted (unseen keys weigh 0).
 template <int D, int KC, int NR, typename Keys>
-inline void update_group(const State& st, const float* qs, const int64_t* rows,
+inline void update_group(const State& st, const float* qs, int64_t head, const int64_t* rows,
                          const int* valid_of, const Keys& keys, const Keys& values, float scale) {
   const float* q[NR];
   float* out[NR];
+  float* max[NR];
+  float* sum[NR];
   int valid[NR];
   for (int i = 0; i < NR; ++i) {
-    q[i] = qs + rows[i] * D;
-    out[i] = st.out + rows[i] * D;
+    q[i] = qs + (head + rows[i]) * D;
+    out[i] = st.out + (head + rows[i]) * D;
+    max[i] = st.max + head + rows[i];
+    sum[i] = st.sum + head + rows[i];
     valid[i] = valid_of[i];
   }
   __m256 s[NR][KC / 8];
@@ -222,14 +219,13 @@ inline void update_group(const State& st, const float* qs, const int64_t* rows,
   bool first[NR];  // the row's first keys: its sum and output are not set yet
 #pragma GCC unroll 3
   for (int r = 0; r < NR; ++r) {
-    float& max = st.max[rows[r]];
-    first[r] = max == -kInf;
+    first[r] = *max[r] == -kInf;
     __m256 top = s[r][0];
 #pragma GCC unroll 4
     for (int v = 1; v < KC / 8; ++v) top = _mm256_max_ps(top, s[r][v]);
-    const float new_max = std::max(max, lane_max(top));
+    const float new_max = std::max(*max[r], lane_max(top));
     const __m256 m = _mm256_set1_ps(new_max);
-    rescale[r] = _mm256_cvtss_f32(exp8(_mm256_set1_ps(max - new_max)));  // exp(0) = 1
+    rescale[r] = _mm256_cvtss_f32(exp8(_mm256_set1_ps(*max[r] - new_max)));  // exp(0) = 1
     __m256 total = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int v = 0; v < KC / 8; ++v) {
@@ -237,29 +233,22 @@ inline void update_group(const State& st, const float* qs, const int64_t* rows,
       _mm256_store_ps(&w[r][8 * v], p);
       total = _mm256_add_ps(total, p);
     }
-    max = new_max;
-    st.sum[rows[r]] = first[r] ? lane_sum(total) : st.sum[rows[r]] * rescale[r] + lane_sum(total);
+    *max[r] = new_max;
+    *sum[r] = first[r] ? lane_sum(total) : *sum[r] * rescale[r] + lane_sum(total);
   }
   group_values<D, KC, NR>(w, rescale, first, values, out);
 }
 
 // update_group over `n` rows, kRows at a time.
 template <int D, int KC, typename Keys>
-inline void update_rows(const State& st, const float* qs, const int64_t* rows, const int* valid,
-                        int64_t n, const Keys& keys, const Keys& values, float scale) {
+inline void update_rows(const State& st, const float* qs, int64_t head, const int64_t* rows,
+                        const int* valid, int64_t n, const Keys& keys, const Keys& values,
+                        float scale) {
   int64_t i = 0;
   for (; i + kRows <= n; i += kRows)
-    update_group<D, KC, kRows>(st, qs, rows + i, valid + i, keys, values, scale);
-  if (n - i == 2) update_group<D, KC, 2>(st, qs, rows + i, valid + i, keys, values, scale);
-  if (n - i == 1) update_group<D, KC, 1>(st, qs, rows + i, valid + i, keys, values, scale);
-}
-
-// The most keys any of run i's queries sees.
-int64_t longest(const AttentionCall& c, size_t i) {
-  int64_t most = 0;
-  for (int64_t t = (*c.runs)[i].first; t < (*c.runs)[i].second; ++t)
-    most = std::max(most, c.keys[t]);
-  return most;
+    update_group<D, KC, kRows>(st, qs, head, rows + i, valid + i, keys, values, scale);
+  if (n - i == 2) update_group<D, KC, 2>(st, qs, head, rows + i, valid + i, keys, values, scale);
+  if (n - i == 1) update_group<D, KC, 1>(st, qs, head, rows + i, valid + i, keys, values, scale);
 }
 
 alignas(32) const uint16_t kZeroRow[agentflash_cpu::kMaxHeadDim] = {};
@@ -298,30 +287,29 @@ void attend_segment(const AttentionCall& c, size_t i, int64_t s0, int64_t s1, co
     agentflash_cpu::key_rows(c.source(i, 0), 0, D, k0, n, ks, vs);
     touch(ks, n, slot);
     touch(vs, n, slot);
-    for (int64_t g = 0; g < c.Hkv; ++g) {
-      // the rows that see any of this chunk's keys (rows that see none are left untouched, as
-      // in a call without them)
-      int64_t count = 0;
-      for (int64_t t = t0; t < t1; ++t) {
-        if (c.keys[t] <= k0) continue;
-        for (int64_t h = 0; h < G; ++h) {
-          rows[count] = (t - t0) * c.Hq + g * G + h;
-          valid[count++] = static_cast<int>(std::min<int64_t>(KC, c.keys[t] - k0));
-        }
+    // the rows that see any of this chunk's keys, at KV head 0 (rows that see none are left
+    // untouched, as in a call without them); KV head g's are G * g rows further
+    int64_t count = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+      if (c.keys[t] <= k0) continue;
+      for (int64_t h = 0; h < G; ++h) {
+        rows[count] = (t - t0) * c.Hq + h;
+        valid[count++] = static_cast<int>(std::min<int64_t>(KC, c.keys[t] - k0));
       }
-      if (count == 0) continue;
+    }
+    for (int64_t g = 0; g < c.Hkv; ++g) {
       for (int j = 0; j < KC; ++j) {
         kr[j] = j < n ? ks[j] + g * D : kZeroRow;
         vr[j] = j < n ? vs[j] + g * D : kZeroRow;
       }
       if (count <= kRows) {
-        update_rows<D, KC>(st, qs, rows.data(), valid.data(), count, InPlace{kr},
+        update_rows<D, KC>(st, qs, g * G, rows.data(), valid.data(), count, InPlace{kr},
                            InPlace{vr}, c.scale);
       } else {
-        widen_rows<D>(kr, KC, KC, kchunk);
-        widen_rows<D>(vr, KC, KC, vchunk);
-        update_rows<D, KC>(st, qs, rows.data(), valid.data(), count, Widened<D>{kchunk},
-                           Widened<D>{vchunk}, c.scale);
+        widen_rows<D>(kr, KC, kchunk);
+        widen_rows<D>(vr, KC, vchunk);
+        update_rows<D, KC>(st, qs, g * G, rows.data(), valid.data(), count,
+                           Widened<D>{kchunk}, Widened<D>{vchunk}, c.scale);
       }
     }
   }
@@ -354,7 +342,7 @@ void widen_queries(const AttentionCall& c, size_t i, float* qs) {
   const int64_t t0 = (*c.runs)[i].first, t1 = (*c.runs)[i].second;
   for (int64_t r = 0; r < (t1 - t0) * c.Hq; ++r) {
     const uint16_t* q = c.q + (t0 * c.Hq + r) * D;
-    widen_rows<D>(&q, 1, 1, qs + r * D);
+    widen_rows<D>(&q, 1, qs + r * D);
   }
 }
 
@@ -393,6 +381,8 @@ void attend_all_d(const AttentionCall& c) {
   const auto& runs = *c.runs;
   const int64_t n_runs = static_cast<int64_t>(runs.size());
   const auto rows_of = [&](size_t i) { return (runs[i].second - runs[i].first) * c.Hq; };
+  std::vector<int64_t> most(runs.size());  // the most keys any of a run's queries sees
+  for (size_t i = 0; i < runs.size(); ++i) most[i] = c.run(i, 0).longest();
   if (n_runs >= 2 * at::get_num_threads()) {  // whole runs per thread, folded as they go
     at::parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
       thread_local Arena qa, aa, sa;
@@ -404,10 +394,9 @@ void attend_all_d(const AttentionCall& c) {
         sa.reserve(Arena::size(R, D));
         const State acc = Arena::at(aa.base(), R, D), seg = Arena::at(sa.base(), R, D);
         widen_queries<D>(c, i, qa.base());
-        const int64_t most = longest(c, i);
-        attend_segment<D>(c, i, 0, std::min(most, kSegment), qa.base(), acc);
-        for (int64_t s0 = kSegment; s0 < most; s0 += kSegment) {
-          attend_segment<D>(c, i, s0, std::min(most, s0 + kSegment), qa.base(), seg);
+        attend_segment<D>(c, i, 0, std::min(most[i], kSegment), qa.base(), acc);
+        for (int64_t s0 = kSegment; s0 < most[i]; s0 += kSegment) {
+          attend_segment<D>(c, i, s0, std::min(most[i], s0 + kSegment), qa.base(), seg);
           fold<D>(acc, seg, R);
         }
         finish<D>(c, i, acc);
@@ -422,7 +411,7 @@ void attend_all_d(const AttentionCall& c) {
   int64_t floats = 0;
   for (size_t i = 0; i < runs.size(); ++i) {
     first_task[i] = static_cast<int64_t>(tasks.size());
-    for (int64_t s0 = 0; s0 < longest(c, i); s0 += kSegment) {
+    for (int64_t s0 = 0; s0 < most[i]; s0 += kSegment) {
       tasks.emplace_back(i, s0);
       offset.push_back(floats);
       floats += Arena::size(rows_of(i), D);
@@ -443,7 +432,7 @@ void attend_all_d(const AttentionCall& c) {
         widen_queries<D>(c, i, qa.base());
         widened = i;
       }
-      attend_segment<D>(c, i, s0, std::min(longest(c, i), s0 + kSegment), qa.base(),
+      attend_segment<D>(c, i, s0, std::min(most[i], s0 + kSegment), qa.base(),
                         Arena::at(base + offset[k], R, D));
     }
   });

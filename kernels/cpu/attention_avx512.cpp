@@ -232,16 +232,16 @@ namespace agentflash_cpu {
 // One task per (run, KV head): its queries and their G heads share each block of keys.
 void attend_all(const AttentionCall& call) {
   const int64_t Hkv = call.Hkv;
-  at::parallel_for(0, static_cast<int64_t>(call.runs->size()) * Hkv, 1,
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t item = begin; item < end; ++item) {
-                       const size_t i = static_cast<size_t>(item / Hkv);
-                       const int64_t g = item % Hkv;
-                       with_head_dim(call.D, [&](auto dim) {
-                         attend<decltype(dim)::value>(call.source(i, g), call.run(i, g));
-                       });
-                     }
-                   });
+  with_head_dim(call.D, [&](auto dim) {
+    at::parallel_for(0, static_cast<int64_t>(call.runs->size()) * Hkv, 1,
+                     [&](int64_t begin, int64_t end) {
+                       for (int64_t item = begin; item < end; ++item) {
+                         const size_t i = static_cast<size_t>(item / Hkv);
+                         attend<decltype(dim)::value>(call.source(i, item % Hkv),
+                                                      call.run(i, item % Hkv));
+                       }
+                     });
+  });
 }
 
 }  // namespace agentflash_cpu
