@@ -21,7 +21,8 @@
 // at a time (tile_halves): 12 accumulators, 3 W halves and one x vector fill the 16 registers,
 // each W half serves 4 FMAs and each x vector 3 (measured on a 2-core EPYC without AVX512, 16
 // rows: 127-157 GFLOP/s at the 11m and 0.6B shapes, where 2 x 3 tiles of whole chunks reached
-// 110-124).
+// 110-124); a block's last 1-3 rows take one tile of that many rows, not one pass each. While
+// the tiles compute a group of W's rows, they ask the memory for the next group (Lookahead).
 #pragma once
 
 #include <immintrin.h>
@@ -43,6 +44,37 @@ constexpr int64_t kAhead = 1024;   // bytes of W prefetched ahead of the one bei
 // Floats between widened rows of x: their chunks plus one cache line, so that rows are never a
 // multiple of 4 KB apart (the up to 12 rows a tile reads at once would share L1 sets).
 inline int64_t row_stride(int64_t chunks) { return chunks * 16 + 16; }
+
+// Asks the memory for the next group of W's rows, a few cache lines at each step of the tiles
+// that compute this group, so that they arrive while this group computes (a verify block's
+// tiles otherwise wait on W at the start of every group: measured 2.6 -> 3.9 ms for the 11m
+// linears of a 16-row block once their 22 MB no longer sit in L2).
+struct Lookahead {
+  const char* row = nullptr;  // the row being fetched
+  int64_t row_bytes = 0;      // from one row to the next
+  int64_t line = 0, lines = 0;  // the next line of `row`, and lines a row
+  int64_t rows_left = 0;
+  int64_t per_step = 0;
+
+  // Fetch `rows` rows of `bytes` bytes each (row_bytes apart) from `first`, over `steps` steps.
+  Lookahead(const void* first, int64_t rows, int64_t bytes, int64_t stride, int64_t steps)
+      : row(static_cast<const char*>(first)), row_bytes(stride), lines((bytes + 63) / 64),
+        rows_left(rows) {
+    per_step = steps > 0 ? (rows * lines + steps - 1) / steps : 0;
+  }
+  Lookahead() = default;
+
+  void step() {
+    for (int64_t i = 0; i < per_step && rows_left > 0; ++i) {
+      _mm_prefetch(row + 64 * line, _MM_HINT_T0);
+      if (++line == lines) {
+        line = 0;
+        row += row_bytes;
+        --rows_left;
+      }
+    }
+  }
+};
 
 // x's rows m0 .. m1 - 1 widened into `out`: per row `chunks` chunks of 16 as F splits them
 // (two float32 vectors), the last zero-padded.
@@ -73,7 +105,7 @@ void widen_rows(const LinearArgs& a, int64_t m0, int64_t m1, int64_t chunks, flo
 // operands. `stream`: prefetch W ahead (its first pass over these rows).
 template <class F, int MB, int NB>
 void tile(const float* xs, int64_t stride, int64_t chunks, int64_t K, const typename F::T* w,
-          int64_t ldw, bool stream, __m256* out) {
+          int64_t ldw, bool stream, Lookahead* ahead, __m256* out) {
   using T = typename F::T;
   constexpr int kChains = F::kSplit ? 2 : 1;
   __m256 acc[kChains][MB][NB];
@@ -109,6 +141,7 @@ void tile(const float* xs, int64_t stride, int64_t chunks, int64_t K, const type
       if (stream && c % kLine == 0)
         _mm_prefetch(reinterpret_cast<const char*>(chunk[j]) + kAhead, _MM_HINT_T0);
     }
+    if (ahead != nullptr) ahead->step();
     step(c, chunk);
   }
   if (full < chunks) {  // the last chunk, zero-padded
@@ -135,7 +168,7 @@ void tile(const float* xs, int64_t stride, int64_t chunks, int64_t K, const type
 // the odd products of every chunk in order: the sums are tile's, bit for bit.
 template <int MB, int NB>
 void tile_halves(const float* xs, int64_t stride, int64_t chunks, int64_t K, const uint16_t* w,
-                 int64_t ldw, bool stream, __m256* out) {
+                 int64_t ldw, bool stream, Lookahead* ahead, __m256* out) {
   __m256 acc[MB][NB];
 #pragma GCC unroll 4
   for (int i = 0; i < MB; ++i)
@@ -169,6 +202,7 @@ void tile_halves(const float* xs, int64_t stride, int64_t chunks, int64_t K, con
       if (stream && c % 2 == 0)  // a cache line holds 2 chunks
         _mm_prefetch(reinterpret_cast<const char*>(chunk[j]) + kAhead, _MM_HINT_T0);
     }
+    if (ahead != nullptr) ahead->step();
     step(c, chunk);
   }
   if (full < chunks) {  // the last chunk, zero-padded
@@ -189,21 +223,41 @@ void tile_halves(const float* xs, int64_t stride, int64_t chunks, int64_t K, con
 // A tile of MB rows of x by `width` (1..3) rows of W.
 template <class F, int MB>
 void tile_of(int width, const float* xs, int64_t stride, int64_t chunks, int64_t K,
-             const typename F::T* w, int64_t ldw, bool stream, __m256* out) {
+             const typename F::T* w, int64_t ldw, bool stream, Lookahead* ahead, __m256* out) {
   if constexpr (F::kHalves && MB > 1) {
     switch (width) {
-      case 3: return tile_halves<MB, 3>(xs, stride, chunks, K, w, ldw, stream, out);
-      case 2: return tile_halves<MB, 2>(xs, stride, chunks, K, w, ldw, stream, out);
-      default: return tile_halves<MB, 1>(xs, stride, chunks, K, w, ldw, stream, out);
+      case 3: return tile_halves<MB, 3>(xs, stride, chunks, K, w, ldw, stream, ahead, out);
+      case 2: return tile_halves<MB, 2>(xs, stride, chunks, K, w, ldw, stream, ahead, out);
+      default: return tile_halves<MB, 1>(xs, stride, chunks, K, w, ldw, stream, ahead, out);
     }
   }
   switch (width) {
     case 3:
       if constexpr (F::kCols >= 3)
-        return tile<F, MB, 3>(xs, stride, chunks, K, w, ldw, stream, out);
+        return tile<F, MB, 3>(xs, stride, chunks, K, w, ldw, stream, ahead, out);
       [[fallthrough]];
-    case 2: return tile<F, MB, 2>(xs, stride, chunks, K, w, ldw, stream, out);
-    default: return tile<F, MB, 1>(xs, stride, chunks, K, w, ldw, stream, out);
+    case 2: return tile<F, MB, 2>(xs, stride, chunks, K, w, ldw, stream, ahead, out);
+    default: return tile<F, MB, 1>(xs, stride, chunks, K, w, ldw, stream, ahead, out);
+  }
+}
+
+// A tile of `rows` (1 .. F::kRows) rows of x by `width` rows of W.
+template <class F>
+void tile_rows(int64_t rows, int width, const float* xs, int64_t stride, int64_t chunks,
+               int64_t K, const typename F::T* w, int64_t ldw, bool stream, Lookahead* ahead,
+               __m256* out) {
+  static_assert(F::kRows <= 4);
+  switch (rows) {
+    case 1: return tile_of<F, 1>(width, xs, stride, chunks, K, w, ldw, stream, ahead, out);
+    case 2: return tile_of<F, 2>(width, xs, stride, chunks, K, w, ldw, stream, ahead, out);
+    case 3:
+      if constexpr (F::kRows >= 3)
+        return tile_of<F, 3>(width, xs, stride, chunks, K, w, ldw, stream, ahead, out);
+      break;
+    default:
+      if constexpr (F::kRows >= 4)
+        return tile_of<F, 4>(width, xs, stride, chunks, K, w, ldw, stream, ahead, out);
+      break;
   }
 }
 
@@ -212,22 +266,19 @@ void tile_of(int width, const float* xs, int64_t stride, int64_t chunks, int64_t
 // time front to back; more rows go in tiles of F::kRows x rows by F::kCols W rows.
 template <class F>
 void rows_by_weights(const float* xs, int64_t chunks, int64_t K, int64_t rows,
-                     const typename F::T* w, int64_t ldw, int width, __m256* acc) {
+                     const typename F::T* w, int64_t ldw, int width, Lookahead* ahead,
+                     __m256* acc) {
   const int64_t stride = row_stride(chunks);
   if (rows == 1) {
     for (int j = 0; j < width; ++j)
-      tile<F, 1, 1>(xs, stride, chunks, K, w + j * ldw, ldw, true, acc + j);
+      tile<F, 1, 1>(xs, stride, chunks, K, w + j * ldw, ldw, true, nullptr, acc + j);
     return;
   }
   for (int j = 0; j < width; j += F::kCols) {
     const int cols = std::min(F::kCols, width - j);
-    int64_t i = 0;
-    for (; i + F::kRows <= rows; i += F::kRows)
-      tile_of<F, F::kRows>(cols, xs + i * stride, stride, chunks, K, w + j * ldw, ldw, i == 0,
-                           acc + i * kGroup + j);
-    for (; i < rows; ++i)  // the rows left
-      tile_of<F, 1>(cols, xs + i * stride, stride, chunks, K, w + j * ldw, ldw, i == 0,
-                    acc + i * kGroup + j);
+    for (int64_t i = 0; i < rows; i += F::kRows)  // the last tile takes the rows left
+      tile_rows<F>(std::min<int64_t>(F::kRows, rows - i), cols, xs + i * stride, stride, chunks,
+                   K, w + j * ldw, ldw, i == 0, ahead, acc + i * kGroup + j);
   }
 }
 
@@ -275,7 +326,15 @@ void columns(const LinearArgs& a, int64_t n0, int64_t n1) {
     widen_rows<F>(a, m0, m0 + rows, chunks, xs);
     for (int64_t g = n0; g < n1; g += kGroup) {
       const int width = static_cast<int>(std::min<int64_t>(kGroup, n1 - g));
-      rows_by_weights<F>(xs, chunks, a.K, rows, F::row(a, g), a.ldw, width, acc);
+      Lookahead ahead;  // rows > 1: the next group's W, over this group's tile steps
+      if (rows > 1 && g + kGroup < n1) {
+        const int64_t tiles = ((width + F::kCols - 1) / F::kCols) *
+                              ((rows + F::kRows - 1) / F::kRows);
+        ahead = Lookahead(F::row(a, g + kGroup), std::min<int64_t>(kGroup, n1 - g - kGroup),
+                          a.K * static_cast<int64_t>(sizeof(typename F::T)),
+                          a.ldw * static_cast<int64_t>(sizeof(typename F::T)), tiles * (a.K / 16));
+      }
+      rows_by_weights<F>(xs, chunks, a.K, rows, F::row(a, g), a.ldw, width, &ahead, acc);
       for (int64_t i = 0; i < rows; ++i) {
         __m256 part[8];
         for (int j = 0; j < 8; ++j)
