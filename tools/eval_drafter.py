@@ -164,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     cost = auto.measure_step_cost()
     auto.spec = SpecConfig(args.block_size, cost=cost)
     print(f"{len(prompts)} prompts, {device} {dtype}, block size {args.block_size}; plain step "
-          f"{1e3 * cost.plain_s:.1f} ms, drafter {cost.draft:.2f} and verify of 2/4/8/16 tokens "
-          f"{', '.join(f'{cost.verify[k - 1]:.2f}' for k in (2, 4, 8, 16))} plain steps",
+          f"{1e3 * cost.plain_s:.1f} ms, drafter {cost.draft:.2f}; verify of "
+          f"{', '.join(f'{k}: {cost.verify[k - 1]:.2f}' for k in (2, 4, 8, 16) if k <= len(cost.verify))}"
+          " plain steps",
           flush=True)
 
     rows = []
