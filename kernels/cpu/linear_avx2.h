@@ -102,8 +102,9 @@ void widen_rows(const LinearArgs& a, int64_t m0, int64_t m1, int64_t chunks, flo
 // apart) . W row j (of the NB from w, ldw apart). Per chunk, every W row is widened once and
 // every x half loaded once, each used for NB or MB FMAs: this CPU kind sustains about one
 // vector load per FMA pair (measured), so loads, not FMAs, bound a tile that reloads its
-// operands. `stream`: prefetch W ahead (its first pass over these rows).
-template <class F, int MB, int NB>
+// operands. `stream`: prefetch W ahead (its first pass over these rows). kLookahead: step
+// `ahead` (then never null) once a chunk; a decode row (one x row) streams W itself.
+template <class F, int MB, int NB, bool kLookahead = true>
 void tile(const float* xs, int64_t stride, int64_t chunks, int64_t K, const typename F::T* w,
           int64_t ldw, bool stream, Lookahead* ahead, __m256* out) {
   using T = typename F::T;
@@ -141,7 +142,7 @@ void tile(const float* xs, int64_t stride, int64_t chunks, int64_t K, const type
       if (stream && c % kLine == 0)
         _mm_prefetch(reinterpret_cast<const char*>(chunk[j]) + kAhead, _MM_HINT_T0);
     }
-    if (ahead != nullptr) ahead->step();
+    if constexpr (kLookahead) ahead->step();
     step(c, chunk);
   }
   if (full < chunks) {  // the last chunk, zero-padded
@@ -202,7 +203,7 @@ void tile_halves(const float* xs, int64_t stride, int64_t chunks, int64_t K, con
       if (stream && c % 2 == 0)  // a cache line holds 2 chunks
         _mm_prefetch(reinterpret_cast<const char*>(chunk[j]) + kAhead, _MM_HINT_T0);
     }
-    if (ahead != nullptr) ahead->step();
+    ahead->step();
     step(c, chunk);
   }
   if (full < chunks) {  // the last chunk, zero-padded
@@ -271,7 +272,7 @@ void rows_by_weights(const float* xs, int64_t chunks, int64_t K, int64_t rows,
   const int64_t stride = row_stride(chunks);
   if (rows == 1) {
     for (int j = 0; j < width; ++j)
-      tile<F, 1, 1>(xs, stride, chunks, K, w + j * ldw, ldw, true, nullptr, acc + j);
+      tile<F, 1, 1, false>(xs, stride, chunks, K, w + j * ldw, ldw, true, nullptr, acc + j);
     return;
   }
   for (int j = 0; j < width; j += F::kCols) {
