@@ -47,7 +47,7 @@ inline int64_t row_stride(int64_t chunks) { return chunks * 16 + 16; }
 
 // Asks the memory for the next group of W's rows, a few cache lines at each step of the tiles
 // that compute this group, so that they arrive while this group computes (a verify block's
-// tiles otherwise wait on W at the start of every group: measured 2.6 -> 3.9 ms for the 11m
+// tiles otherwise wait on W at the start of every group: measured 2.6 -> 3.5-4.3 ms for the 11m
 // linears of a 16-row block once their 22 MB no longer sit in L2).
 struct Lookahead {
   const char* row = nullptr;  // the row being fetched
