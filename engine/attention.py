@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import array
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, Sequence
 
 import torch
@@ -270,6 +270,13 @@ class KernelDraftAttention:
         return cls(k_caches, v_caches, flat[3 * t + n:].view(n, width), flat[:t], flat[t:2 * t],
                    flat[2 * t:3 * t], flat[3 * t:3 * t + n], page_size, drafter.attention_scale,
                    [drafter.layer_kind(i).causal for i in range(len(k_caches))])
+
+    def select(self, rows: torch.Tensor) -> KernelDraftAttention:
+        """This attention for the queries of the block tokens `rows` only (indices into the
+        N*B); `attend` still takes every block token's k and v."""
+        return replace(self, token_seq=self.token_seq.index_select(0, rows),
+                       token_keys=self.token_keys.index_select(0, rows),
+                       causal_keys=self.causal_keys.index_select(0, rows))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys = self.causal_keys if self.causal[layer] else self.token_keys

@@ -180,9 +180,10 @@ class CompiledDraft(DraftForward):
             directory, kernels), kernels and KernelDraftAttention.supports(drafter))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
-                 attn: KernelDraftAttention | PagedDraftAttention) -> torch.Tensor:
-        return self.program.run_flat([ids, positions, *draft_metadata(attn), *attn.k_caches,
-                                      *attn.v_caches])[0]
+                 attn: KernelDraftAttention | PagedDraftAttention,
+                 rows: torch.Tensor) -> torch.Tensor:
+        return self.program.run_flat([ids, positions, rows, *draft_metadata(attn),
+                                      *attn.k_caches, *attn.v_caches])[0]
 
 
 def _linears(kernels: bool) -> str:
@@ -305,17 +306,20 @@ def _draft_export(model: CausalLM, drafter: DFlashDraftModel, block_size: int,
                  page_size, drafter)
     positions = torch.cat([torch.arange(c, c + block_size) for c in ctx_lens])
     ids = torch.zeros(len(ctx_lens) * block_size, dtype=torch.long)
-    example = (ids, positions, draft_metadata(attn), k_caches, v_caches)
+    rows = torch.tensor([b * block_size + 1 + i for b in range(len(ctx_lens))
+                         for i in range(block_size // 2)])
+    example = (ids, positions, rows, draft_metadata(attn), k_caches, v_caches)
     Dim = torch.export.Dim
     seqs, keys = Dim("seqs", min=1, max=1 << 12), Dim("keys", min=1, max=1 << 20)
     slots = Dim("slots", min=page_size)
     tokens = {0: seqs * block_size}
+    wanted = {0: Dim("rows", min=1, max=1 << 16)}
     if module.kernel_attention:
         pages = Dim("pages", min=1, max=1 << 16)
         attention: tuple = ({0: seqs, 1: pages}, tokens, tokens, tokens, {0: seqs})
     else:
         attention = ({0: seqs, 1: keys}, {0: seqs})
-    shapes = (tokens, tokens, attention, [{0: slots}] * len(k_caches),
+    shapes = (tokens, tokens, wanted, attention, [{0: slots}] * len(k_caches),
               [{0: slots}] * len(v_caches))
     return module, example, shapes
 

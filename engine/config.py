@@ -243,11 +243,13 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class StepCost:
     """Measured step times of `batch` requests decoding together, in units of their plain
-    decode step (`Engine.measure_step_cost`): `draft` is a drafter forward over their blocks,
-    `verify[k - 1]` a target forward over k tokens of each (verify[0] = 1). The unit: `plain_s`
-    seconds, a plain step of the batch after a `context`-token prompt each."""
+    decode step (`Engine.measure_step_cost`): `draft[k - 1]` is a drafter forward over their
+    blocks for k - 1 drafts each (draft[0] = 0: no drafts; the drafter computes only the rows
+    verified, so it costs less for fewer), `verify[k - 1]` a target forward over k tokens of
+    each (verify[0] = 1). The unit: `plain_s` seconds, a plain step of the batch after a
+    `context`-token prompt each."""
 
-    draft: float
+    draft: tuple[float, ...]
     verify: tuple[float, ...]
     plain_s: float = 0.0
     context: int = 0
@@ -255,7 +257,7 @@ class StepCost:
 
     def speculative(self, k: int) -> float:
         """A speculative step that verifies k tokens: the anchor and k - 1 drafts."""
-        return self.draft + self.verify[k - 1]
+        return self.draft[k - 1] + self.verify[k - 1]
 
     def at_context(self, longer: StepCost, context: int) -> StepCost:
         """These costs and `longer`'s (the same batch at a longer context) interpolated
@@ -266,7 +268,7 @@ class StepCost:
         if t == 0.0 or t == 1.0:
             return self if t == 0.0 else longer
         mix = lambda a, b: a + t * (b - a)   # noqa: E731
-        return StepCost(mix(self.draft, longer.draft),
+        return StepCost(tuple(mix(a, b) for a, b in zip(self.draft, longer.draft)),
                         tuple(mix(a, b) for a, b in zip(self.verify, longer.verify)),
                         mix(self.plain_s, longer.plain_s), context, self.batch)
 

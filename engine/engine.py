@@ -552,17 +552,18 @@ class Engine:
 
     def measure_step_cost(self, context: int = 256, steps: int = 8, batch: int = 1) -> StepCost:
         """A plain decode step of `batch` requests after a `context`-token prompt each (shorter
-        where the model's context is), and the cost of drafter forwards and of verifying 2, 4,
-        8 .. block_size tokens each in units of it (linear in between), measured on synthetic
+        where the model's context is), and the cost of verifying 2, 4, 8 .. block_size tokens
+        each and of the drafter forwards for them in units of it (linear in between), measured
+        on synthetic
         requests of this engine. Call it before serving: it needs an idle engine and clears the
         prefix cache."""
         assert self.drafter is not None, "needs a speculative engine"
         lengths = [k for k in (1, 2, 4, 8) if k < self.block_size] + [self.block_size]
         context, target, draft = self._time_blocks(context, lengths, steps, batch)
         plain = target[0]
-        verify = tuple(float(v) / plain for v in
-                       _interpolate(lengths, target, range(1, self.block_size + 1)))
-        return StepCost(sum(draft[1:]) / len(draft[1:]) / plain, verify, plain, context, batch)
+        per_k = lambda ys: tuple(float(y) / plain for y in   # noqa: E731
+                                 _interpolate(lengths, ys, range(1, self.block_size + 1)))
+        return StepCost(per_k(draft), per_k(target), plain, context, batch)
 
     def _time_blocks(
         self, context: int, blocks: list[int], steps: int, batch: int = 1

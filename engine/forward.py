@@ -138,9 +138,12 @@ class TargetStep(nn.Module):
 
 class DraftStep(nn.Module):
     """The drafter's forward: N blocks of B tokens embedded, through its layers over each
-    sequence's cached context K/V, to the final norm (the head stays eager). With the CPU
-    kernels (and no windowed layer) the attention reads the context in place
-    (KernelDraftAttention), else through the torch path (PagedDraftAttention)."""
+    sequence's cached context K/V, to the final norm (the head stays eager), for the block
+    tokens `rows` (indices into the N*B: those whose drafts are verified). With the CPU kernels
+    (and no windowed layer) the attention reads the context in place (KernelDraftAttention) and
+    the last layer computes only `rows` (its K/V for every token); else the attention goes
+    through the torch path (PagedDraftAttention) and every row is computed, `rows` then
+    taken."""
 
     def __init__(self, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
                  kernels: bool, page_size: int) -> None:
@@ -151,20 +154,21 @@ class DraftStep(nn.Module):
         self.page_size = page_size
         self.kernel_attention = kernels and KernelDraftAttention.supports(drafter)
 
-    def forward(self, ids, positions, attention, k_caches, v_caches):
+    def forward(self, ids, positions, rows, attention, k_caches, v_caches):
         d = self.drafter
+        h = self.embed(ids)
+        scale = d.config.input_embedding_scale
+        h = h if scale == 1.0 else h * scale
         if self.kernel_attention:
             attn = KernelDraftAttention(
                 k_caches, v_caches, *attention, self.page_size, d.attention_scale,
                 [d.layer_kind(i).causal for i in range(len(d.layers))])
-        else:
-            gather, ctx_lens = attention
-            attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
-                                       d.attention_scale,
-                                       [d.layer_kind(i) for i in range(len(d.layers))])
-        h = self.embed(ids)
-        scale = d.config.input_embedding_scale
-        return d(h if scale == 1.0 else h * scale, positions, attn)
+            return d(h, positions, attn, rows)
+        gather, ctx_lens = attention
+        attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
+                                   d.attention_scale,
+                                   [d.layer_kind(i) for i in range(len(d.layers))])
+        return d(h, positions, attn).index_select(0, rows)
 
 
 class DecodeForward:
@@ -206,8 +210,9 @@ class DecodeForward:
 
 class DraftForward:
     """The drafter's forward for one block size: call it with the blocks' token ids [N*B],
-    positions [N*B] and the attention metadata of `attention`; returns hidden states [N*B, H]
-    after its final norm. This one runs `DraftStep` eager on the CPU kernels."""
+    positions [N*B], the attention metadata of `attention` and the rows wanted (indices into
+    the N*B); returns their hidden states [len(rows), H] after its final norm. This one runs
+    `DraftStep` eager on the CPU kernels."""
 
     kind = "eager"
 
@@ -230,6 +235,8 @@ class DraftForward:
         return build(k_caches, v_caches, page_tables, ctx_lens, block_size, page_size, drafter)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
-                 attn: KernelDraftAttention | PagedDraftAttention) -> torch.Tensor:
+                 attn: KernelDraftAttention | PagedDraftAttention,
+                 rows: torch.Tensor) -> torch.Tensor:
         assert self.step is not None
-        return self.step(ids, positions, draft_metadata(attn), attn.k_caches, attn.v_caches)
+        return self.step(ids, positions, rows, draft_metadata(attn), attn.k_caches,
+                         attn.v_caches)

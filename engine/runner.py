@@ -199,8 +199,8 @@ class ModelRunner:
     def draft(self, items: list[BatchItem], block_size: int, drafts: int) -> torch.Tensor:
         """One drafter forward for the verify items: block [anchor, MASK x (B-1)] at positions
         start .. start+B-1 over each sequence's cached drafter context. Returns the drafter's logits
-        [N, drafts, V] for the first `drafts` (<= B-1) draft positions: the head runs only on the
-        positions some item verifies."""
+        [N, drafts, V] for the first `drafts` (<= B-1) draft positions: the head, and with the
+        CPU kernels the drafter's last layer, run only on the positions some item verifies."""
         assert self.drafter is not None and self.draft_layers is not None
         cfg = self.drafter.config
         ids, positions, page_tables, ctx_lens = [], [], [], []
@@ -213,12 +213,16 @@ class ModelRunner:
             ctx_lens.append(start)
         meta = (self._draft_caches(self.pool.k), self._draft_caches(self.pool.v), page_tables,
                 ctx_lens, block_size, self.kv.page_size, self.drafter)
-        flat = index_tensor([*ids, *positions], self.device)
-        block_ids, pos = flat[:len(ids)], flat[len(ids):]
+        # the rows whose drafts are verified: 1 .. drafts of each block
+        rows = [b * block_size + 1 + i for b in range(len(items)) for i in range(drafts)]
+        flat = index_tensor([*ids, *positions, *rows], self.device)
+        n = len(ids)
+        block_ids, pos, wanted = flat[:n], flat[n:2 * n], flat[2 * n:]
         if self.draft_forward is not None:
-            hidden = self.draft_forward(block_ids, pos, self.draft_forward.attention(*meta))
+            hidden = self.draft_forward(block_ids, pos, self.draft_forward.attention(*meta),
+                                        wanted)
         else:
             attn = PagedDraftAttention.build(*meta)
             hidden = self.drafter(self.drafter.embed_block(self.model, block_ids), pos, attn)
-        hidden = hidden.view(len(items), block_size, -1)[:, 1 : 1 + drafts]
-        return self.drafter.logits(self.model, hidden)
+            hidden = hidden.index_select(0, wanted)
+        return self.drafter.logits(self.model, hidden.view(len(items), drafts, -1))

@@ -194,9 +194,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cached: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of queries q [T, Hq, D] over caches [S, Hkv, D]: query t sees the first
     token_keys[t] keys of sequence token_seq[t], key j in page page_table[seq, j // page_size]
-    ([B, P]) at offset j % page_size. With k_new, v_new [T, Hkv, D] and cached [B]: keys from
-    cached[seq] on are the rows of the query's run (its consecutive queries of that sequence)
-    in k_new / v_new instead, in order (a drafter block's own K/V). Returns [T, Hq, D]
+    ([B, P]) at offset j % page_size. With k_new, v_new [B * R, Hkv, D] and cached [B]: keys
+    from cached[b] on of sequence b are its R rows b * R .. b * R + R - 1 of k_new / v_new
+    instead, in order (a drafter block's own K/V; its queries may be any of the block's rows).
+    Returns [T, Hq, D]
     (bfloat16; head_dim a multiple of 32 up to 256)."""
     return torch.ops.agentflash.paged_attention_bf16(q, k_cache, v_cache, page_table, page_size,
                                                      token_seq, token_keys, scale, k_new, v_new,

@@ -13,7 +13,7 @@ import torch
 from agentflash.embedded import embedded_model_dir, model_drafter_dir
 from agentflash.engine.attention import PagedAttention, PagedDraftAttention
 from agentflash.engine.compiled import CompiledDraft, CompiledForward, cache_key
-from agentflash.engine.forward import DecodeForward, step_args
+from agentflash.engine.forward import DecodeForward, DraftForward, step_args
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
@@ -119,12 +119,41 @@ def test_the_drafter_runs_compiled_and_its_context_is_stored_by_the_target_progr
     block = torch.tensor([tokens[0]] + [drafter.config.mask_token_id] * 15)
     bpos = torch.arange(1000, 1016)
     assert draft.kernel_attention == cpu_ops.available()  # the context read in place
-    got = draft(block, bpos, draft.attention(dk, dv, [list(range(63))], [1000], 16, PAGE,
-                                             drafter))
+    attn = draft.attention(dk, dv, [list(range(63))], [1000], 16, PAGE, drafter)
+    got = draft(block, bpos, attn, torch.arange(16))
     eager_attn = PagedDraftAttention.build(dk, dv, [list(range(63))], [1000], 16, PAGE, drafter)
     want = drafter(drafter.embed_block(model, block), bpos, eager_attn)
     cos = torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=-1)
     assert cos.min() > 0.999, cos
+    # only the rows whose drafts are verified: bitwise those rows of the whole block
+    rows = torch.tensor([1, 2, 3])
+    assert torch.equal(draft(block, bpos, attn, rows), got[rows])
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+def test_the_drafter_computes_only_the_rows_verified(model):
+    """On the CPU kernels the drafter's last layer computes queries, MLP and norm only for the
+    rows whose drafts are verified (every row's K/V still): those rows are bitwise the rows of
+    the whole forward, in a batch of blocks over different contexts, so which drafts are
+    proposed does not depend on how many are verified."""
+    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+    run = DraftForward.eager(model, drafter, 16, PAGE)
+    assert run.kernel_attention
+    dk, dv = _caches(model, 128, seed=1)
+    dk, dv = dk[:len(drafter.layers)], dv[:len(drafter.layers)]
+    tables, ctx = [list(range(63)), list(range(63, 100))], [1000, 580]
+    mask = drafter.config.mask_token_id
+    block = torch.tensor([5] + [mask] * 15 + [9] + [mask] * 15)
+    bpos = torch.cat([torch.arange(1000, 1016), torch.arange(580, 596)])
+    attn = run.attention(dk, dv, tables, ctx, 16, PAGE, drafter)
+    whole = run(block, bpos, attn, torch.arange(32))
+    eager_attn = PagedDraftAttention.build(dk, dv, tables, ctx, 16, PAGE, drafter)
+    want = drafter(drafter.embed_block(model, block), bpos, eager_attn)
+    cos = torch.nn.functional.cosine_similarity(whole.float(), want.float(), dim=-1)
+    assert cos.min() > 0.999, cos
+    for rows in ([1], [1, 2, 3, 17, 18, 19], list(range(1, 16)) + list(range(17, 32))):
+        rows = torch.tensor(rows)
+        assert torch.equal(run(block, bpos, attn, rows), whole[rows])
 
 
 @pytest.mark.parametrize("quantize", [None, pytest.param("int8", marks=pytest.mark.skipif(

@@ -185,6 +185,12 @@ def test_attention_over_new_rows_is_the_same_as_over_them_in_the_pool(causal):
         stored_k[slot], stored_v[slot] = k_new[t], v_new[t]
     same = cpu_ops.paged_attention(q, stored_k, stored_v, table, page, seq, keys, 0.125)
     assert torch.equal(out, same)
+    # the queries of only some of each block's rows (those whose drafts are verified): those
+    # rows of the whole call, bit for bit
+    rows = torch.tensor([1, 2, 3, 4, 5, B + 1, B + 2, B + 3, B + 4, B + 5])
+    some = cpu_ops.paged_attention(q[rows], k_cache, v_cache, table, page, seq[rows], keys[rows],
+                                   0.125, k_new, v_new, ctx)
+    assert torch.equal(some, out[rows])
     want = _reference_attention(q, stored_k, stored_v, table, page, seq, keys, 0.125)
     assert (out.float() - want).abs().max() < 0.02
     with pytest.raises(RuntimeError, match="sees 1017 keys"):  # past the block's own rows

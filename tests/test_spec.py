@@ -208,14 +208,15 @@ def test_bad_speculative_settings_are_clear(tmp_path, pair):
 
 
 def test_verify_length_maximises_tokens_per_unit_of_time():
-    cost = StepCost(draft=0.2, verify=tuple(1 + 0.1 * k for k in range(16)))
+    cost = StepCost((0.0,) + (0.2,) * 15, tuple(1 + 0.1 * k for k in range(16)))
     seen = [100] * 15
     accepted = [90, 80, 10] + [0] * 12
     # k tokens commit 1 + 0.9 + 0.8 + ... for 0.2 + 1 + 0.1 (k - 1): 1.46, 1.93, 1.87, 1.75 ...
     assert verify_length(accepted, seen, 16, cost) == 3
     assert verify_length(accepted, seen, 2, cost) == 2            # never past the block
-    assert verify_length(accepted, seen, 16, StepCost(5.0, cost.verify)) == 1  # never pays
-    flat = StepCost(0.1, (1.0,) * 16)                            # a GPU: verifying is free
+    never = StepCost((5.0,) * 16, cost.verify)
+    assert verify_length(accepted, seen, 16, never) == 1          # never pays
+    flat = StepCost((0.1,) * 16, (1.0,) * 16)                    # a GPU: verifying is free
     assert verify_length([50] * 15, seen, 16, flat) == 16
     # positions never verified are not extrapolated: a request shortened to 3 stays <= 3 ...
     assert verify_length([90, 80] + [0] * 13, [100, 100] + [0] * 13, 16, flat) == 3
@@ -223,11 +224,11 @@ def test_verify_length_maximises_tokens_per_unit_of_time():
 
 
 def test_step_costs_follow_the_context_and_the_prior_fades():
-    short = StepCost(1.0, (1.0, 2.0), 0.001, context=256)
-    long = StepCost(1.2, (1.0, 3.0), 0.002, context=2256)
+    short = StepCost((0.0, 1.0), (1.0, 2.0), 0.001, context=256)
+    long = StepCost((0.0, 1.2), (1.0, 3.0), 0.002, context=2256)
     mid = short.at_context(long, 1256)
     assert mid.context == 1256 and mid.verify == (1.0, 2.5)
-    assert mid.draft == pytest.approx(1.1) and mid.plain_s == pytest.approx(0.0015)
+    assert mid.draft == pytest.approx((0.0, 1.1)) and mid.plain_s == pytest.approx(0.0015)
     assert short.at_context(long, 10) is short and short.at_context(long, 9999) is long
     spec = SpecConfig(8, cost=short, long_cost=long)
     assert spec.cost_at(1, 1256) == mid
@@ -236,7 +237,7 @@ def test_step_costs_follow_the_context_and_the_prior_fades():
     accepted, verified = with_prior(([2, 0], [2, 2]), ([80, 40, 0], [100, 100, 0]), 2.0)
     assert accepted == pytest.approx([3.6, 0.8, 0.0]) and verified == [4.0, 4.0, 0.0]
     # near a tie, plain steps: a verify length must commit MIN_GAIN times a plain step's rate
-    tie = StepCost(0.0, (1.0, 1.5))
+    tie = StepCost((0.0, 0.0), (1.0, 1.5))
     assert verify_length([1], [2], 2, tie) == 1 and verify_length([3], [4], 2, tie) == 2
 
 
@@ -245,8 +246,8 @@ def test_step_costs_shorten_verification_losslessly(pair):
     params = SamplingParams(max_new_tokens=40)
     prompts = prompts_for(6, 16, seed=77)
     plain = Engine(model, CacheConfig(4, 512)).generate(prompts, params)
-    never = StepCost(100.0, (1.0,) * 8)                          # speculation never pays
-    steep = StepCost(0.0, tuple(1.0 + 0.2 * k for k in range(8)))  # each verified token: +0.2
+    never = StepCost((100.0,) * 8, (1.0,) * 8)                   # speculation never pays
+    steep = StepCost((0.0,) * 8, tuple(1.0 + 0.2 * k for k in range(8)))  # a token: +0.2
     for cost, probes in ((never, 3), (steep, 2), (None, 3)):
         spec = Engine(model, CacheConfig(4, 512), drafter=drafter,
                       spec=SpecConfig(8, cost=cost, probe_steps=probes, probe_gap=1000)
@@ -272,7 +273,7 @@ def test_a_request_decoding_plainly_probes_a_full_block_at_doubling_gaps(pair):
     prompt = prompts_for(1, 16, seed=78)
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     (plain,) = Engine(model, CacheConfig(4, 512)).generate(prompt, params)
-    never = StepCost(100.0, (1.0,) * 8)
+    never = StepCost((100.0,) * 8, (1.0,) * 8)
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
                     spec=SpecConfig(8, cost=never, probe_steps=2, probe_gap=4))
     seq = engine.submit(prompt[0], params)
@@ -304,6 +305,7 @@ def test_measured_step_costs_are_relative_to_a_plain_step(pair):
     model, drafter = pair
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(8))
     cost = engine.measure_step_cost(context=16, steps=2)
-    assert cost.plain_s > 0 and cost.context == 16 and cost.draft > 0
+    assert cost.plain_s > 0 and cost.context == 16
     assert len(cost.verify) == 8 and cost.verify[0] == 1.0 and min(cost.verify) > 0
+    assert len(cost.draft) == 8 and cost.draft[0] == 0.0 and min(cost.draft[1:]) > 0
     assert not engine.has_work() and engine.kv.stats()["pages_cached"] == 0

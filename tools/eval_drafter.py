@@ -161,12 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     plain = Engine(target, CacheConfig(16, pages))
     for engine in (spec, auto, plain):  # warm up
         run_one(engine, prompts[0].ids[-64:], SamplingParams(max_new_tokens=8))
-    cost = auto.measure_step_cost()
-    auto.spec = SpecConfig(args.block_size, cost=cost)
+    cost = auto.measure_step_cost()  # as Runtime.load measures them for speculation="auto"
+    long = auto.measure_step_cost(context=min(2048, auto.max_model_len // 2))
+    auto.spec = SpecConfig(args.block_size, cost=cost, long_cost=long)
     print(f"{len(prompts)} prompts, {device} {dtype}, block size {args.block_size}; plain step "
-          f"{1e3 * cost.plain_s:.1f} ms, drafter {cost.draft:.2f}; verify of "
-          f"{', '.join(f'{k}: {cost.verify[k - 1]:.2f}' for k in (2, 4, 8, 16) if k <= len(cost.verify))}"
-          " plain steps",
+          f"{1e3 * cost.plain_s:.1f} ms; verify + drafter of "
+          + ", ".join(f"{k}: {cost.verify[k - 1]:.2f} + {cost.draft[k - 1]:.2f}"
+                      for k in (2, 4, 8, 16) if k <= len(cost.verify))
+          + " plain steps",
           flush=True)
 
     rows = []

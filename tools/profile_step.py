@@ -9,8 +9,8 @@ costs in plain decode steps (c(B)), at batch 1 after a context of --context toke
 For B = 1 (a decode step) and B = --verify (default 16) it profiles the target forward with
 torch.profiler and splits it into: linear layers (with the weight bytes they stream per second),
 the attention's K/V gather and matmuls, every other aten op, and what is outside aten (Python,
-dispatch, metadata). Then c(B) for B = 1..16, and the drafter's forward where the model carries
-a drafter: each the median of --steps timed forwards, B interleaved (a shared machine's drift
+dispatch, metadata). Then c(B) for B = 1..16, and the drafter's forward for B - 1 drafts where
+the model carries a drafter, d(B): each the median of --steps timed forwards, B interleaved (a shared machine's drift
 falls on every B alike). The KV of each timed forward is rolled back, so every one runs at the
 same context.
 """
@@ -128,24 +128,24 @@ def main() -> None:
 
     blocks = list(range(1, args.verify + 1))
     target: dict[int, list[float]] = {b: [] for b in blocks}
-    draft: list[float] = []
+    draft: dict[int, list[float]] = {b: [] for b in blocks}
     for rnd in range(args.steps + 1):
         for b in blocks:
-            drafts = drafter is not None and b == args.verify
-            t, d = _forward(engine, seq, b, drafts)
+            t, d = _forward(engine, seq, b, drafter is not None and b > 1)
             if rnd:
                 target[b].append(t)
-                if drafts:
-                    draft.append(d)
+                draft[b].append(d)
     plain = statistics.median(target[1])
     print(f"\nplain decode step (target forward) {plain * 1e3:.2f} ms; c(B) = verify of B "
-          "tokens / plain step:")
+          "tokens / plain step" + ("; d(B) = the drafter's forward for those B - 1 drafts "
+                                   "(its block of "
+                                   f"{engine.block_size}) / plain step" if drafter else "") + ":")
     print("| B | " + " | ".join(map(str, blocks)) + " |\n" + "|---" * (len(blocks) + 1) + "|")
     print("| c(B) | " + " | ".join(f"{statistics.median(target[b]) / plain:.2f}"
                                    for b in blocks) + " |")
-    if draft:
-        print(f"drafter forward (block {args.verify}): {statistics.median(draft) * 1e3:.2f} ms "
-              f"= {statistics.median(draft) / plain:.2f} plain steps")
+    if drafter is not None:
+        print("| d(B) | " + " | ".join(f"{statistics.median(draft[b]) / plain:.2f}"
+                                       for b in blocks) + " |")
     engine.abort(seq_id)
 
 

@@ -10,7 +10,8 @@ One draft step for N sequences (spec: shared/specs/dflash.md), tokens flattened 
    target's embedding, times `input_embedding_scale`; the block starts at the anchor's position.
 3. `forward(h, positions, attn)` runs the layers over the N*B block tokens: `attn.attend(layer,
    q, k, v)` receives the block's own q/k/v and attends over the cached context plus the block
-   (kernel `draft_attention`, mode from `layer_kind(layer)`). Block K/V are never cached.
+   (kernel `draft_attention`, mode from `layer_kind(layer)`). Block K/V are never cached. With
+   `rows`, the last layer computes only the rows whose drafts are verified (every row's K/V).
 4. `logits(target, hidden)` on block rows 1..B-1: row k predicts the token at start + k.
 
 The layers are the target's Qwen3 `DecoderLayer` (pre-norm, q/k RMSNorm, RoPE): a block token's
@@ -155,14 +156,23 @@ class DFlashDraftModel(nn.Module):
                 v.view(n, attn.num_kv_heads, attn.head_dim))
 
     def forward(
-        self, block_hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self, block_hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [N*B, H] after the final norm, from the embedded blocks [N*B, H] at
-        their absolute `positions` [N*B] (below `config.max_position_embeddings`)."""
+        their absolute `positions` [N*B] (below `config.max_position_embeddings`).
+
+        rows: only these block tokens' hidden states [len(rows), H] (indices into the N*B; the
+        rows whose drafts are verified), bitwise those rows of the whole forward: the last
+        layer computes keys and values for every token but queries, its MLP and the norm only
+        for `rows`. `attn` then needs `select(rows)`, the same attention for those queries
+        (KernelDraftAttention)."""
         h = block_hidden
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        for layer in self.layers:
+        *first, last = self.layers
+        for layer in first:
             h = layer(h, cos, sin, attn)
+        h = last(h, cos, sin, attn) if rows is None else last(h, cos, sin, attn.select(rows), rows)
         return self.norm(h)
 
     def logits(self, target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:

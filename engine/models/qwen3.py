@@ -50,8 +50,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention output of every token of x, or only of the tokens `rows` (indices into
+        x): keys and values come from every token either way."""
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
         qk, v = qkv.split((heads + kv_heads, kv_heads), dim=1)
@@ -61,8 +64,10 @@ class Attention(nn.Module):
             qk = self.q_norm.norm(qk, torch.cat((self.q_norm.weight.expand(heads, -1),
                                                  self.k_norm.weight.expand(kv_heads, -1))))
         q, k = apply_rope(qk, cos, sin).split((heads, kv_heads), dim=1)
+        if rows is not None:
+            q = q.index_select(0, rows)
         out = attn.attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -74,9 +79,14 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        """The layer's output for every token of h, or only for the tokens `rows` (a drafter
+        block's rows whose drafts are verified: the other tokens still give their keys and
+        values; `attn` then takes queries of those rows)."""
+        a = self.self_attn(self.input_layernorm(h), cos, sin, attn, rows)
+        h = (h if rows is None else h.index_select(0, rows)) + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -8,9 +8,10 @@
 //
 // Query t (of sequence token_seq[t]) sees keys 0 .. token_keys[t] - 1 of its sequence, key j in
 // slot page_table[seq, j / page_size] * page_size + j % page_size of the caches [S, Hkv, D].
-// With k_new / v_new [T, Hkv, D] and cached [B] (the DFlash drafter's blocks, whose own K/V are
-// not in the pool), key j >= cached[seq] of a run of queries t0 .. t1 - 1 is instead row
-// t0 + j - cached[seq] of k_new / v_new: the run's own rows. This file checks the arguments,
+// With k_new / v_new [B * R, Hkv, D] and cached [B] (the DFlash drafter's blocks of R tokens,
+// whose own K/V are not in the pool), key j >= cached[b] of sequence b is instead row
+// b * R + j - cached[b] of k_new / v_new: the block's own rows. The queries may be any of a
+// block's rows (all R, or only those whose drafts are verified). This file checks the arguments,
 // finds the runs of consecutive queries of one sequence; attention_<isa>.cpp splits them over
 // threads and computes them (kernels.h: every output row depends on its query and keys alone).
 
@@ -64,17 +65,19 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
               "paged_attention_bf16: k_new, v_new and cached go together");
   at::Tensor kn_c, vn_c, cached_c;
   if (with_new) {
-    TORCH_CHECK(k_new->dim() == 3 && k_new->size(0) == T && k_new->size(1) == Hkv &&
-                    k_new->size(2) == D && v_new->sizes() == k_new->sizes() &&
-                    k_new->scalar_type() == at::kBFloat16 &&
+    TORCH_CHECK(k_new->dim() == 3 && B >= 1 && k_new->size(0) % B == 0 &&
+                    k_new->size(1) == Hkv && k_new->size(2) == D &&
+                    v_new->sizes() == k_new->sizes() && k_new->scalar_type() == at::kBFloat16 &&
                     v_new->scalar_type() == at::kBFloat16 && cached->dim() == 1 &&
                     cached->size(0) == B && cached->scalar_type() == at::kLong,
-                "paged_attention_bf16: bfloat16 k_new, v_new [T, Hkv, D] and int64 cached [B]");
+                "paged_attention_bf16: bfloat16 k_new, v_new [B * R, Hkv, D] and int64 cached "
+                "[B]");
     kn_c = k_new->contiguous();
     vn_c = v_new->contiguous();
     cached_c = cached->contiguous();
   }
   const int64_t* pooled = with_new ? cached_c.data_ptr<int64_t>() : nullptr;
+  const int64_t new_rows = with_new ? k_new->size(0) / B : 0;  // each sequence's own rows
   // runs of consecutive queries of one sequence (a decode row, a verify block, a draft block)
   std::vector<std::pair<int64_t, int64_t>> runs;
   for (int64_t t = 0; t < T; ++t) {
@@ -91,7 +94,7 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
     TORCH_CHECK(in_pool >= 0 && in_pool <= L, "paged_attention_bf16: ", in_pool,
                 " cached keys of sequence ", b, " (up to ", L, ")");
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t most = with_new ? in_pool + (t1 - t0) : L;
+      const int64_t most = with_new ? in_pool + new_rows : L;
       TORCH_CHECK(keys[t] >= 1 && keys[t] <= most, "paged_attention_bf16: query ", t,
                   " sees ", keys[t], " keys of sequence ", b, " (it has ", most, ")");
       const int64_t from_pool = std::min(keys[t], in_pool);
@@ -108,7 +111,8 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
   agentflash_cpu::attend_all({bf16(qc), bf16(k_cache), bf16(v_cache), table, P, page_size, seq,
                               keys, Hq, Hkv, D, static_cast<float>(scale),
                               with_new ? bf16(kn_c) : nullptr, with_new ? bf16(vn_c) : nullptr,
-                              pooled, reinterpret_cast<uint16_t*>(out.data_ptr()), &runs});
+                              pooled, new_rows, reinterpret_cast<uint16_t*>(out.data_ptr()),
+                              &runs});
   return out;
 }
 

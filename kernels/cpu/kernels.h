@@ -86,16 +86,17 @@ struct AttentionCall {
   const int64_t* keys;        // [T]
   int64_t Hq, Hkv, D;
   float scale;
-  const uint16_t* kn;         // [T, Hkv, D] the runs' own new rows, or nullptr (then vn, pooled too)
-  const uint16_t* vn;
+  const uint16_t* kn;         // [B * new_rows, Hkv, D] each sequence's own new rows, or nullptr
+  const uint16_t* vn;         // (then vn and pooled too)
   const int64_t* pooled;      // [B] keys of each sequence in the pool (when kn is set)
+  int64_t new_rows;           // kn's rows per sequence (when kn is set)
   uint16_t* out;              // [T, Hq, D]
   const std::vector<std::pair<int64_t, int64_t>>* runs;  // [t0, t1) of each run
 
   // Where run i's keys live at KV head g.
   KvSource source(size_t i, int64_t g) const {
-    const int64_t t0 = (*runs)[i].first, b = seq[t0];
-    const int64_t first = (t0 * Hkv + g) * D;
+    const int64_t b = seq[(*runs)[i].first];
+    const int64_t first = (b * new_rows * Hkv + g) * D;
     return {kp, vp, table + b * P, page_size, Hkv * D,
             kn != nullptr ? pooled[b] : P * page_size, kn != nullptr ? kn + first : nullptr,
             kn != nullptr ? vn + first : nullptr};
