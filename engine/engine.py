@@ -554,9 +554,8 @@ class Engine:
         """A plain decode step of `batch` requests after a `context`-token prompt each (shorter
         where the model's context is), and the cost of verifying 2, 4, 8 .. block_size tokens
         each and of the drafter forwards for them in units of it (linear in between), measured
-        on synthetic
-        requests of this engine. Call it before serving: it needs an idle engine and clears the
-        prefix cache."""
+        on synthetic requests of this engine. Call it before serving: it needs an idle engine
+        and clears the prefix cache."""
         assert self.drafter is not None, "needs a speculative engine"
         lengths = [k for k in (1, 2, 4, 8) if k < self.block_size] + [self.block_size]
         context, target, draft = self._time_blocks(context, lengths, steps, batch)
