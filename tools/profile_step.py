@@ -9,10 +9,10 @@ costs in plain decode steps (c(B)), at batch 1 after a context of --context toke
 For B = 1 (a decode step) and B = --verify (default 16) it profiles the target forward with
 torch.profiler and splits it into: linear layers (with the weight bytes they stream per second),
 the attention's K/V gather and matmuls, every other aten op, and what is outside aten (Python,
-dispatch, metadata). Then c(B) for B = 1..16, and the drafter's forward for B - 1 drafts where
-the model carries a drafter, d(B): each the median of --steps timed forwards, B interleaved (a shared machine's drift
-falls on every B alike). The KV of each timed forward is rolled back, so every one runs at the
-same context.
+dispatch, metadata). Then c(B) for B = 1..16 and, where the model carries a drafter, d(B), the
+drafter's forward for B - 1 drafts: each the median of --steps timed forwards, B interleaved (a
+shared machine's drift falls on every B alike). The KV of each timed forward is rolled back, so
+every one runs at the same context.
 """
 
 from __future__ import annotations
@@ -136,16 +136,13 @@ def main() -> None:
                 target[b].append(t)
                 draft[b].append(d)
     plain = statistics.median(target[1])
-    print(f"\nplain decode step (target forward) {plain * 1e3:.2f} ms; c(B) = verify of B "
-          "tokens / plain step" + ("; d(B) = the drafter's forward for those B - 1 drafts "
-                                   "(its block of "
-                                   f"{engine.block_size}) / plain step" if drafter else "") + ":")
+    print(f"\nplain decode step (target forward) {plain * 1e3:.2f} ms; in plain steps, c(B): a "
+          "verify of B tokens, d(B): the drafter's forward for its B - 1 drafts")
     print("| B | " + " | ".join(map(str, blocks)) + " |\n" + "|---" * (len(blocks) + 1) + "|")
-    print("| c(B) | " + " | ".join(f"{statistics.median(target[b]) / plain:.2f}"
-                                   for b in blocks) + " |")
-    if drafter is not None:
-        print("| d(B) | " + " | ".join(f"{statistics.median(draft[b]) / plain:.2f}"
-                                       for b in blocks) + " |")
+    rows = [("c(B)", target)] + ([("d(B)", draft)] if drafter is not None else [])
+    for name, times in rows:
+        print(f"| {name} | " + " | ".join(f"{statistics.median(times[b]) / plain:.2f}"
+                                          for b in blocks) + " |")
     engine.abort(seq_id)
 
 
