@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -14,6 +15,13 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+
+# The repository's kernels/ and engine/ are installed as agentflash.kernels and agentflash.engine
+# (pyproject's package-dir). `python -m pytest` puts the repository root on sys.path, where
+# kernels/ would stand in for Hugging Face's `kernels` package, which transformers >= 5.25
+# imports: tests see agentflash only by its installed names.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
 
 # Without CUDA, Triton kernels run in Triton's CPU interpreter. Triton reads the switch when it is
 # first imported (transformers and xgrammar import it too), so it is set before any test module.
