@@ -225,10 +225,11 @@ class Runtime:
         DFlash checkpoint. cache=None sizes the KV pool for 16 full contexts. session_ttl
         (seconds): an idle agent's pinned KV becomes evictable after that long. pricing: what
         compute or tokens cost (`Usage.cost`); log: a JSONL run log every agent writes to.
-        speculation="auto": after 4 full blocks, each request verifies as many drafts as commit
-        the most tokens per unit of time given its acceptance so far and the step costs measured
-        at load, and decodes token by token once speculation does not pay (same output either
-        way); "always": every step verifies a full block. quantize="int8": int8 weights for
+        speculation="auto": each step verifies as many drafts as commit the most tokens per unit
+        of time given the drafter's confidence in them and the step costs measured at load,
+        and a request whose drafted steps do not pay decodes token by token for a while,
+        longer each time (same output either way); "always": every step verifies a full
+        block. quantize="int8": int8 weights for
         the target's layers (CPU, bfloat16; engine.fastpath). compile: the decode
         step and the drafter compiled ahead of time on CPU in bfloat16 (engine.compiled; the
         first load on a machine compiles, ~1 min at 11m, later ones load from the disk cache;

@@ -277,13 +277,15 @@ class StepCost:
 class SpecConfig:
     """Speculative decoding settings. block_size None: the drafter checkpoint's own.
 
-    cost: with step costs, each request verifies, after `probe_steps` full blocks, the number of
-    drafts that commits the most tokens per unit of time given its own acceptance so far (and
-    decodes token by token once no number beats a plain step); lossless either way. None: every
-    verify step checks the whole block. While it decodes token by token, a request still
-    verifies one full block after `probe_gap` plain steps, then after twice as many, up to 16
-    times as many: a reply whose text turns predictable (a tool call after prose) speculates
-    again, and the acceptance the next requests start from stays current.
+    cost: with step costs, the drafter proposes `draft_rows` drafts for a request at first, and
+    each step verifies as many of them as commit the most tokens per unit of time given the
+    drafter's own confidence in each (spec.confident_length); lossless either way. A step that
+    verified every draft, all accepted, lets the next propose twice as many (up to the block);
+    one that verified fewer halves them again (down to `draft_rows`). A drafted step that
+    commits fewer tokens than the plain steps it cost is followed by one plain step without the
+    drafter, then, while drafted steps keep failing, by twice as many, up to `max_backoff`:
+    free prose pays the drafter rarely, a tool call after it speculates again at once. None:
+    every verify step checks the whole block.
 
     `batch_costs`: the same measured with more requests decoding at once (a verify token costs
     more, relative to a plain step, once the forward is compute-bound); a request decides with
@@ -294,14 +296,14 @@ class SpecConfig:
     cost: StepCost | None = None
     batch_costs: tuple[StepCost, ...] = ()
     long_cost: StepCost | None = None
-    probe_steps: int = 4
-    probe_gap: int = 16
+    draft_rows: int = 5
+    max_backoff: int = 16
     MIN_BLOCK = 2
     MAX_BLOCK = 16
 
     def __post_init__(self) -> None:
-        if self.probe_steps < 1 or self.probe_gap < 1:
-            raise ValueError("probe_steps and probe_gap must be >= 1")
+        if self.draft_rows < 1 or self.max_backoff < 1:
+            raise ValueError("draft_rows and max_backoff must be >= 1")
         if (self.batch_costs or self.long_cost) and self.cost is None:
             raise ValueError("batch_costs and long_cost need the batch-1 cost too")
         if self.block_size is not None and not self.MIN_BLOCK <= self.block_size <= self.MAX_BLOCK:

@@ -34,11 +34,7 @@ from .runner import ModelRunner
 from .sampler import SamplingParams, make_generator
 from .scheduler import BatchItem, Scheduler
 from .sequence import SeqCounters, Sequence, Status
-from .spec import Rows, Verdict, judge, verify_length, with_prior
-
-PRIOR_STEPS = 16
-"""Verify steps the engine must have seen before a new request starts from their acceptance
-(instead of probing full blocks) when choosing how many drafts to verify."""
+from .spec import Rows, Verdict, confident_length, judge
 
 PREDICTION_BLOCK = 16
 """Tokens per verify step (anchor + 15 predicted) for a prediction on a sequence the drafter
@@ -171,10 +167,6 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._done: dict[int, Completion] = {}
         self._decoding = 0  # requests past their prompt in the current step
-        # acceptance per draft position over all requests: a new request's prior
-        self._accepted = [0] * (self.block_size - 1)
-        self._verified = [0] * (self.block_size - 1)
-        self._verify_steps = 0
 
     @classmethod
     def from_dir(
@@ -234,8 +226,9 @@ class Engine:
         seq = Sequence(next(self._ids), prompt, params, self.max_model_len, pin=pin,
                        reuse=reuse, block_size=block)
         seq.drafts = drafts
-        if drafts and self._verify_steps >= PRIOR_STEPS:
-            seq.prior = (list(self._accepted), list(self._verified))
+        if drafts and self.spec.cost is not None:
+            seq.draft_rows = min(self.spec.draft_rows, self.block_size - 1)
+            seq.block_size = seq.draft_rows + 1
         seq.prediction = predicted or None
         seq.counters.prediction_tokens = len(predicted)
         seq.constraint = constraint
@@ -309,9 +302,15 @@ class Engine:
             for item in verify:
                 item.seq.counters.draft_compute_s += t_draft / len(verify)
             self.counters.draft_forwards += 1
+            confidence = (logits.softmax(-1).amax(-1).tolist() if self.spec.cost is not None
+                          else None)
             for i, item in enumerate(verify):
                 n = item.num_tokens - 1
                 if item.seq.constraint is None:
+                    if confidence is not None:  # verify what the drafter is confident enough of
+                        cost = self.spec.cost_at(self._decoding, item.seq.num_tokens)
+                        n = confident_length(confidence[i][:n], cost) - 1
+                        item.num_tokens = n + 1
                     item.draft = drafts[i][:n]
                     continue
                 t_grammar = time.perf_counter()
@@ -454,48 +453,39 @@ class Engine:
                 c.verified_per_position.extend([0] * (self.block_size - 1))
             for k in range(verdict.accepted):
                 c.accepted_per_position[k] += 1
-                self._accepted[k] += 1
             for k in range(len(draft)):
                 c.verified_per_position[k] += 1
-                self._verified[k] += 1
-            self._verify_steps += 1
             if c.drafts is not None:
                 c.drafts.append(list(draft))
             update.draft_tokens, update.accepted_tokens = len(draft), verdict.accepted
             self.counters.draft_tokens += len(draft)
             self.counters.accepted_tokens += verdict.accepted
-        c = seq.counters
         if seq.drafts and not seq.predicting and self.spec.cost is not None:
-            # after every step, plain ones too: a request that decodes plainly in a big batch
-            # speculates again once the batch shrinks. Until its own probe blocks are done, a
-            # request goes by the acceptance of the requests before it (when there were any),
-            # less and less as its own blocks add up
-            own = (c.accepted_per_position, c.verified_per_position)
-            probed = len(c.acceptance_lengths)
-            stats = (own if probed >= self.spec.probe_steps else None if seq.prior is None
-                     else with_prior(own, seq.prior, self.spec.probe_steps - probed))
-            if stats is not None:
-                seq.block_size = self._explore(seq, verify_length(
-                    *stats, self.block_size,
-                    self.spec.cost_at(self._decoding, seq.num_tokens)))
+            self._pace(seq, item, len(draft), verdict.accepted, kept)
         if seq.finish_reason is not None:
             update = self._finish(seq, update)
         return update
 
-    def _explore(self, seq: Sequence, chosen: int) -> int:
-        """The verify length for `seq`'s next step given the one its acceptance chose: that one,
-        except that while plain steps are chosen a full block probes now and then
-        (`SpecConfig.probe_gap`)."""
-        first = self.spec.probe_gap
-        if chosen > 1:
-            seq.plain_run, seq.probe_gap = 0, first
-            return chosen
-        seq.plain_run += 1
-        seq.probe_gap = seq.probe_gap or first
-        if seq.plain_run <= seq.probe_gap:   # the next step is plain step plain_run
-            return 1
-        seq.plain_run, seq.probe_gap = 0, min(2 * seq.probe_gap, 16 * first)
-        return self.block_size
+    def _pace(self, seq: Sequence, item: BatchItem, drafted: int, accepted: int,
+              kept: int) -> None:
+        """The next step of a request the drafter serves, with step costs (SpecConfig): how
+        many drafts it proposes, or a plain step while it backs off."""
+        spec = self.spec
+        rows = seq.draft_rows  # the drafter's rows this step (if it ran)
+        if item.verifies and not item.predicted:  # the drafter ran (its drafts may all be cut)
+            cost = spec.cost_at(self._decoding, seq.num_tokens)
+            assert cost is not None
+            if kept < cost.draft[rows] + cost.verify[drafted]:  # plain steps made more
+                seq.cooldown, seq.backoff = seq.backoff, min(2 * seq.backoff, spec.max_backoff)
+            else:
+                seq.backoff = 1
+            if drafted == rows and accepted == drafted:
+                seq.draft_rows = min(2 * rows + 1, self.block_size - 1)
+            elif drafted < rows:
+                seq.draft_rows = max(min(spec.draft_rows, self.block_size - 1), (rows - 1) // 2)
+        elif seq.cooldown:
+            seq.cooldown -= 1
+        seq.block_size = 1 if seq.cooldown else seq.draft_rows + 1
 
     def _fail(self, seq: Sequence, error: Exception) -> SeqUpdate:
         """Finish `seq` with an error, keeping (cached) only the KV of its committed tokens."""
@@ -583,9 +573,6 @@ class Engine:
                                        "the pool can free")
         vocab = self.config.vocab_size
         spec, self.spec = self.spec, replace(self.spec, cost=None, batch_costs=())
-        # what the measuring steps accept is not the workload's: later requests must not
-        # start from it
-        learned = (list(self._accepted), list(self._verified), self._verify_steps)
         ids = [self.submit([(7 * i + 11 * r + 3) % vocab for i in range(context)],
                            SamplingParams(max_new_tokens=budget, ignore_eos=True),
                            reuse=False) for r in range(batch)]
@@ -609,7 +596,6 @@ class Engine:
             self.result(seq_id)
         self.clear_cache()
         self.spec = spec
-        self._accepted, self._verified, self._verify_steps = learned
         return (context, [statistics.median(t) for t in target],
                 [statistics.median(d) for d in draft])
 

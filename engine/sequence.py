@@ -78,13 +78,11 @@ class Sequence:
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # grammar every generated token must follow
     drafts: bool = False              # the drafter proposes this sequence's blocks
-    # acceptance (accepted, verified per draft position) of the requests before this one: how
-    # many drafts to verify until its own first blocks are counted
-    prior: tuple[list[int], list[int]] | None = None
-    # with step costs: plain steps since this sequence last verified drafts, and after how many
-    # it probes a full block again (SpecConfig.probe_gap, doubling after each probe)
-    plain_run: int = 0
-    probe_gap: int = 0
+    # with step costs (SpecConfig): drafts the drafter proposes at its next drafted step, plain
+    # steps before that step, and how many follow the next drafted step that does not pay
+    draft_rows: int = 0
+    cooldown: int = 0
+    backoff: int = 1
     prediction: list[int] | None = None  # the caller's guess of the output, while it holds
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: Exception | None = None

@@ -355,9 +355,12 @@ def test_errors_in_openai_shape(client, base_url, rt):
 def test_queue_full_gets_429(rt):
     with running(create_app(rt, max_in_flight=1)) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        # the first request holds the only slot until its stream ends (it must not end first:
+        # a reply that stops at eos can finish in a few steps)
         stream = c.chat.completions.create(model=MODEL, messages=ASK, temperature=0,
-                                           max_tokens=64, stream=True)
-        next(iter(stream))  # the first request holds the only slot until its stream ends
+                                           max_tokens=1000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
         with pytest.raises(openai.RateLimitError) as e:
             c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4)
         assert e.value.response.headers["retry-after"] == "1"

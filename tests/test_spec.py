@@ -16,7 +16,8 @@ from agentflash.engine.errors import DrafterMismatchError
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams, target_probs
-from agentflash.engine.spec import verify_length, with_prior
+from agentflash.engine.scheduler import BatchItem
+from agentflash.engine.spec import confident_length
 from conftest import make_dflash_checkpoint, make_hf_model
 
 
@@ -207,23 +208,24 @@ def test_bad_speculative_settings_are_clear(tmp_path, pair):
         load_drafter(tmp_path / "badmask", model)
 
 
-def test_verify_length_maximises_tokens_per_unit_of_time():
+def test_confident_length_maximises_tokens_per_unit_of_time():
     cost = StepCost((0.0,) + (0.2,) * 15, tuple(1 + 0.1 * k for k in range(16)))
-    seen = [100] * 15
-    accepted = [90, 80, 10] + [0] * 12
-    # k tokens commit 1 + 0.9 + 0.8 + ... for 0.2 + 1 + 0.1 (k - 1): 1.46, 1.93, 1.87, 1.75 ...
-    assert verify_length(accepted, seen, 16, cost) == 3
-    assert verify_length(accepted, seen, 2, cost) == 2            # never past the block
-    never = StepCost((5.0,) * 16, cost.verify)
-    assert verify_length(accepted, seen, 16, never) == 1          # never pays
-    flat = StepCost((0.1,) * 16, (1.0,) * 16)                    # a GPU: verifying is free
-    assert verify_length([50] * 15, seen, 16, flat) == 16
-    # positions never verified are not extrapolated: a request shortened to 3 stays <= 3 ...
-    assert verify_length([90, 80] + [0] * 13, [100, 100] + [0] * 13, 16, flat) == 3
-    assert verify_length([], [], 16, flat) == 1                  # ... and with no data, plain
+    # the drafter's 0.2 is paid either way; k tokens commit 1 + 0.9 + 0.9 * 0.8 + ... for
+    # 0.2 + 1 + 0.1 (k - 1): 0.83, 1.46, 1.87, 1.79 tokens per plain step for k = 1 .. 4
+    assert confident_length([0.9, 0.8, 0.1], cost) == 3
+    assert confident_length([0.9, 0.8], cost) == 3              # never past the drafts
+    assert confident_length([0.0, 0.9], cost) == 1              # a sure miss first: none
+    assert confident_length([], cost) == 1
+    steep = StepCost(cost.draft, tuple(1.0 + 4.0 * k for k in range(16)))
+    assert confident_length([0.9, 0.8], steep) == 1             # verifying never pays
+    flat = StepCost((0.1,) * 16, (1.0,) * 16)                   # a GPU: verifying is free
+    assert confident_length([0.3] * 15, flat) == 16
+    # the drafter's cost is sunk: even an expensive drafter's drafts are verified if they pay
+    dear = StepCost((0.0,) + (50.0,) * 15, cost.verify)
+    assert confident_length([0.9, 0.8, 0.1], dear) == 4
 
 
-def test_step_costs_follow_the_context_and_the_prior_fades():
+def test_step_costs_follow_the_context():
     short = StepCost((0.0, 1.0), (1.0, 2.0), 0.001, context=256)
     long = StepCost((0.0, 1.2), (1.0, 3.0), 0.002, context=2256)
     mid = short.at_context(long, 1256)
@@ -233,72 +235,85 @@ def test_step_costs_follow_the_context_and_the_prior_fades():
     spec = SpecConfig(8, cost=short, long_cost=long)
     assert spec.cost_at(1, 1256) == mid
     assert SpecConfig(8, cost=short).cost_at(1, 1256) is short
-    # a request's own counts plus the prior's rates counted as `weight` steps of each position
-    accepted, verified = with_prior(([2, 0], [2, 2]), ([80, 40, 0], [100, 100, 0]), 2.0)
-    assert accepted == pytest.approx([3.6, 0.8, 0.0]) and verified == [4.0, 4.0, 0.0]
-    # near a tie, plain steps: a verify length must commit MIN_GAIN times a plain step's rate
-    tie = StepCost((0.0, 0.0), (1.0, 1.5))
-    assert verify_length([1], [2], 2, tie) == 1 and verify_length([3], [4], 2, tie) == 2
 
 
-def test_step_costs_shorten_verification_losslessly(pair):
+def _drafted_steps(engine: Engine, prompt: list[int], params: SamplingParams):
+    """Run one request; per decode step: (drafter ran, drafts verified, tokens committed)."""
+    seq = engine.submit(prompt, params)
+    steps = []
+    while engine.has_work():
+        forwards = engine.counters.draft_forwards
+        for u in engine.step():
+            if u.new_token_ids:
+                steps.append((engine.counters.draft_forwards > forwards, u.draft_tokens,
+                              len(u.new_token_ids)))
+    return engine.result(seq), steps[1:]   # the first update is the prefill's token
+
+
+def test_step_costs_and_confidence_choose_the_verify_length_losslessly(pair):
     model, drafter = pair
     params = SamplingParams(max_new_tokens=40)
     prompts = prompts_for(6, 16, seed=77)
     plain = Engine(model, CacheConfig(4, 512)).generate(prompts, params)
-    never = StepCost((100.0,) * 8, (1.0,) * 8)                   # speculation never pays
-    steep = StepCost((0.0,) * 8, tuple(1.0 + 0.2 * k for k in range(8)))  # a token: +0.2
-    for cost, probes in ((never, 3), (steep, 2), (None, 3)):
-        spec = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                      spec=SpecConfig(8, cost=cost, probe_steps=probes, probe_gap=1000)
-                      ).generate(prompts, params, trace=True)
-        assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
-        lengths = [[len(d) for d in c.counters.drafts] for c in spec]
-        for c, drafted in zip(spec, lengths):
-            assert drafted[:probes] == [7] * probes          # full blocks while probing
-            if cost is never:  # then token by token
-                assert len(drafted) == probes
-                assert c.counters.decode_tokens == probes * 8 + (
-                    len(c.output_ids) - 1 - sum(c.counters.acceptance_lengths))
-            elif cost is steep:  # then short blocks, or none
-                assert all(n < 7 for n in drafted[probes:])
-            else:  # always full blocks (shorter only in the last steps, where the budget ends)
-                assert drafted[:-7] == [7] * (len(drafted) - 7) and len(drafted) > probes
+    free = StepCost((0.0,) * 8, (1.0,) * 8)                      # verifying is free
+    steep = StepCost((0.0,) * 8, tuple(1.0 + 0.5 * k for k in range(8)))  # a token: +0.5
+    for cost in (free, steep, None):
+        engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
+                        spec=SpecConfig(8, cost=cost, draft_rows=3))
+        for prompt, want in zip(prompts, plain):
+            done, steps = _drafted_steps(engine, prompt, params)
+            assert done.output_ids == want.output_ids
+            drafted = [n for ran, n, _ in steps if ran]
+            if cost is None:  # full blocks (shorter only where the budget ends)
+                assert drafted[:-7] == [7] * (len(drafted) - 7)
+            elif cost is free:  # every draft proposed is verified: 3 at first
+                assert drafted[0] == 3 and all(n >= 1 for n in drafted)
+            else:  # only drafts the drafter is sure enough of (this one never is, of many)
+                assert max(drafted) <= 3 and min(drafted) == 0
 
 
-def test_a_request_decoding_plainly_probes_a_full_block_at_doubling_gaps(pair):
-    """Where no verify length pays, a request decodes token by token but verifies one full
-    block after `probe_gap` plain steps, then after twice as many (lossless throughout)."""
+def test_a_drafter_that_does_not_pay_backs_off_at_doubling_gaps(pair):
+    """A drafted step that commits fewer tokens than the plain steps it cost is followed by
+    plain steps without the drafter: 1, then 2, 4, .. up to max_backoff (lossless)."""
     model, drafter = pair
-    prompt = prompts_for(1, 16, seed=78)
-    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
-    (plain,) = Engine(model, CacheConfig(4, 512)).generate(prompt, params)
-    never = StepCost((100.0,) * 8, (1.0,) * 8)
+    prompt = prompts_for(1, 16, seed=78)[0]
+    params = SamplingParams(max_new_tokens=80, ignore_eos=True)
+    (plain,) = Engine(model, CacheConfig(4, 512)).generate([prompt], params)
+    dear = StepCost((0.0,) + (100.0,) * 7, (1.0,) * 8)          # the drafter never pays
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                    spec=SpecConfig(8, cost=never, probe_steps=2, probe_gap=4))
-    seq = engine.submit(prompt[0], params)
-    verified = []   # per decode step: drafts verified (0: a plain step)
-    while engine.has_work():
-        for u in engine.step():
-            if u.new_token_ids:
-                verified.append(u.draft_tokens)
-    assert engine.result(seq).output_ids == plain.output_ids
-    steps = verified[1:]   # the first update is the prefill's token
-    probes = [i for i, n in enumerate(steps) if n]
-    assert probes[:2] == [0, 1] and all(steps[i] == 7 for i in probes[:-1])
-    gaps = [b - a - 1 for a, b in zip(probes[1:], probes[2:])]
-    assert gaps[:3] == [4, 8, 16], steps
+                    spec=SpecConfig(8, cost=dear, max_backoff=8))
+    done, steps = _drafted_steps(engine, prompt, params)
+    assert done.output_ids == plain.output_ids
+    ran = [i for i, (r, _, _) in enumerate(steps) if r]
+    gaps = [b - a - 1 for a, b in zip(ran, ran[1:])]
+    assert gaps[:5] == [1, 2, 4, 8, 8], steps
+    assert all(n == 0 for r, n, _ in steps if not r)             # plain steps in between
 
 
-def test_measuring_step_costs_leaves_no_acceptance_behind(pair):
-    """The measuring steps' drafts are not the workload's: the next request does not start
-    from their acceptance (it probes full blocks of its own)."""
+def test_draft_rows_grow_after_full_acceptance_and_shrink_back(pair):
     model, drafter = pair
-    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(8))
-    engine.spec = SpecConfig(8, cost=engine.measure_step_cost(context=16, steps=8))
-    assert engine.counters.draft_forwards > 16   # more than a prior needs
-    seq = engine.submit(prompts_for(1, 16, seed=79)[0], SamplingParams(max_new_tokens=8))
-    assert engine._seqs[seq].prior is None
+    cheap = StepCost((0.0,) + (0.1,) * 15, (1.0,) * 16)
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
+                    spec=SpecConfig(16, cost=cheap, draft_rows=3))
+    seq_id = engine.submit(prompts_for(1, 16, seed=80)[0], SamplingParams(max_new_tokens=60))
+    seq = engine._seqs[seq_id]
+    while not seq.output_ids:
+        engine.step()
+    assert (seq.draft_rows, seq.block_size) == (3, 4)
+    item = BatchItem(seq, 4)
+    engine._pace(seq, item, 3, 3, 4)            # every draft verified and accepted: double
+    assert (seq.draft_rows, seq.block_size) == (7, 8)
+    engine._pace(seq, BatchItem(seq, 8), 7, 7, 8)
+    engine._pace(seq, BatchItem(seq, 16), 15, 15, 16)
+    assert seq.draft_rows == 15                 # never past the block
+    engine._pace(seq, BatchItem(seq, 16), 4, 2, 3)   # fewer verified than proposed: halve
+    assert seq.draft_rows == 7
+    engine._pace(seq, BatchItem(seq, 8), 2, 2, 3)
+    engine._pace(seq, BatchItem(seq, 4), 1, 1, 2)
+    assert seq.draft_rows == 3 and seq.cooldown == 0   # not below SpecConfig.draft_rows
+    engine._pace(seq, BatchItem(seq, 4), 0, 0, 1)      # one token for a drafter and a verify
+    assert seq.cooldown == 1 and seq.block_size == 1
+    engine.abort(seq_id)
 
 
 def test_measured_step_costs_are_relative_to_a_plain_step(pair):

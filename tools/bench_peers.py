@@ -15,7 +15,9 @@ greedy tokens), and DFlash's tau (tokens committed per verify step). Models and 
   bfcl-eval wheel, read, never installed) rendered as tools/eval_drafter.py does. An extra column
   runs DFlash stopping at eos, tokens/s over the tokens actually produced; "DFlash auto" is
   Runtime.load's default speculation (step costs measured before timing, then each request
-  verifies as many drafts as pay for its acceptance, or none).
+  verifies as many drafts as pay for its acceptance, or none), and "DFlash auto, eos" the same
+  stopping at eos, as an agent's requests do: past eos a model writes text no agent reads, and
+  the drafter never trained on.
 - 0.6b: a random bf16 checkpoint of Qwen3-0.6B's shape (seed 0), prompts of 1000 random token
   ids. Its tokenizer is the 11m's byte-level BPE grown to 151936 entries, each new one the merge
   of two older ones (llama.cpp's converter needs BPE merges; vLLM detokenizes every id it
@@ -417,6 +419,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                                                     ignore_eos=False)
         engines["agentflash DFlash auto"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
                                                                     auto=True)
+        engines["agentflash DFlash auto, eos"] = lambda: agentflash_runs(
+            model_dir, prompts, new, draft, ignore_eos=False, auto=True)
         engines["agentflash int8 DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
                                                                     quantize="int8")
         engines["agentflash int8 DFlash auto"] = lambda: agentflash_runs(
@@ -451,6 +455,7 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash eager", "agentflash plain",
                "agentflash int8",
                "agentflash DFlash", "agentflash DFlash, eos", "agentflash DFlash auto",
+               "agentflash DFlash auto, eos",
                "agentflash int8 DFlash", "agentflash int8 DFlash auto"]
     columns = [c for c in columns if any(c in m["engines"] for m in results.values())]
     titles = {"11m": "agentflash-11m", "0.6b": "Qwen3-0.6B-shaped random bf16"}
