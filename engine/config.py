@@ -280,7 +280,7 @@ class SpecConfig:
     cost: with step costs, the drafter proposes `draft_rows` drafts for a request at first, and
     each step verifies as many of them as commit the most tokens per unit of time given the
     drafter's own confidence in each (spec.confident_length); lossless either way. A step that
-    verified every draft, all accepted, lets the next propose twice as many (up to the block);
+    verified every draft, all accepted, lets the next propose 2n + 1 (up to the block);
     one that verified fewer halves them again (down to `draft_rows`). A drafted step that
     commits fewer tokens than the plain steps it cost is followed by one plain step without the
     drafter, then, while drafted steps keep failing, by twice as many, up to `max_backoff`:

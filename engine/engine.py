@@ -227,7 +227,7 @@ class Engine:
                        reuse=reuse, block_size=block)
         seq.drafts = drafts
         if drafts and self.spec.cost is not None:
-            seq.draft_rows = min(self.spec.draft_rows, self.block_size - 1)
+            seq.draft_rows = self._first_rows()
             seq.block_size = seq.draft_rows + 1
         seq.prediction = predicted or None
         seq.counters.prediction_tokens = len(predicted)
@@ -296,14 +296,17 @@ class Engine:
             t0 = time.perf_counter()
             logits = self.runner.draft(verify, self.block_size,
                                        max(item.num_tokens for item in verify) - 1)
-            drafts = logits.argmax(-1).tolist()
+            top = logits.max(-1)
+            drafts = top.indices.tolist()
             t_draft = time.perf_counter() - t0
             self.counters.draft_s += t_draft
             for item in verify:
                 item.seq.counters.draft_compute_s += t_draft / len(verify)
             self.counters.draft_forwards += 1
-            confidence = (logits.softmax(-1).amax(-1).tolist() if self.spec.cost is not None
-                          else None)
+            # the drafter's probability of each draft (its softmax there), where step costs
+            # choose how many to verify
+            confidence = ((top.values - logits.logsumexp(-1)).exp().tolist()
+                          if self.spec.cost is not None else None)
             for i, item in enumerate(verify):
                 n = item.num_tokens - 1
                 if item.seq.constraint is None:
@@ -450,11 +453,8 @@ class Engine:
             c.acceptance_lengths.append(kept)
             if len(c.accepted_per_position) < self.block_size - 1:
                 c.accepted_per_position.extend([0] * (self.block_size - 1))
-                c.verified_per_position.extend([0] * (self.block_size - 1))
             for k in range(verdict.accepted):
                 c.accepted_per_position[k] += 1
-            for k in range(len(draft)):
-                c.verified_per_position[k] += 1
             if c.drafts is not None:
                 c.drafts.append(list(draft))
             update.draft_tokens, update.accepted_tokens = len(draft), verdict.accepted
@@ -465,6 +465,10 @@ class Engine:
         if seq.finish_reason is not None:
             update = self._finish(seq, update)
         return update
+
+    def _first_rows(self) -> int:
+        """Drafts a request proposes at first, and at least after halving (SpecConfig)."""
+        return min(self.spec.draft_rows, self.block_size - 1)
 
     def _pace(self, seq: Sequence, item: BatchItem, drafted: int, accepted: int,
               kept: int) -> None:
@@ -482,7 +486,7 @@ class Engine:
             if drafted == rows and accepted == drafted:
                 seq.draft_rows = min(2 * rows + 1, self.block_size - 1)
             elif drafted < rows:
-                seq.draft_rows = max(min(spec.draft_rows, self.block_size - 1), (rows - 1) // 2)
+                seq.draft_rows = max(self._first_rows(), (rows - 1) // 2)
         elif seq.cooldown:
             seq.cooldown -= 1
         seq.block_size = 1 if seq.cooldown else seq.draft_rows + 1

@@ -35,7 +35,6 @@ class SeqCounters:
     prediction_accepted: int = 0      # of those, reproduced by the output (OpenAI's accepted)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per verify
     accepted_per_position: list[int] = field(default_factory=list)  # index k: draft k accepted
-    verified_per_position: list[int] = field(default_factory=list)  # index k: draft k verified
     drafts: list[list[int]] | None = None  # proposals per step, when tracing
     # time.perf_counter() stamps: submitted, admitted (KV reserved), first token, finished
     submitted_at: float = 0.0
