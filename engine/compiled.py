@@ -223,8 +223,8 @@ def cache_key(model: CausalLM, drafter: DFlashDraftModel | None = None, *extra) 
     states = [model.state_dict()] + ([] if drafter is None else [drafter.state_dict()])
     for state in states:
         for name, tensor in state.items():
-            if name.startswith(("lm_head.", "context_kv_proj.")):
-                continue  # not in any program: the head and the packed K/V rows stay eager
+            if name.startswith(("lm_head.", "head.", "context_kv_proj.")):
+                continue  # the heads stay eager; the context K/V rows are qkv_proj's rows
             h.update(name.encode())
             h.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
     return h.hexdigest()

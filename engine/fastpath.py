@@ -36,12 +36,22 @@ serves every decode and verify row, so speculative output equals plain output wi
   greedy speculative output still equals plain output. Where compiling fails (no C++ compiler,
   an unsupported op), a warning says why and the engine runs eager.
 
-One transformation changes the numbers and so runs only when asked for (`quantize="int8"`):
+One transformation changes the output's numbers and so runs only when asked for
+(`quantize="int8"`):
 - `int8-weights` (CPU, bfloat16, where agentflash's CPU kernels run): the target's decoder
   linears and its head become per-channel int8 (engine.models.quantized.Int8Linear; a tied head
-  gets an int8 copy, the embedding keeps its matrix); the drafter stays bfloat16. Half the
-  bytes a decode step reads. Greedy speculative output equals the quantized target's plain
-  output, bit for bit.
+  gets an int8 copy, the embedding keeps its matrix). Half the bytes a decode step reads.
+  Greedy speculative output equals the quantized target's plain output, bit for bit.
+
+One changes the drafter's numbers only, never the output (the target verifies every draft),
+and so runs by default:
+- `int8-drafter` (CPU, bfloat16, where agentflash's CPU kernels run, with a drafter): the
+  drafter's linears (its context projection included) become per-channel int8, and it drafts
+  with an int8 copy of the target's head (`DFlashDraftModel.head`; an int8 target's head is
+  already int8 and is shared). Its forward and the context store of every step read half the
+  bytes: on agentflash-11m the drafter's forward costs ~20% less, and a replay of its drafts
+  on held-out agent prompts (tools/eval_policy.py) commits as many tokens per step as the
+  bfloat16 drafter's (docs/performance.md, stop 40).
 
 Hybrid targets (Qwen3.5, engine.models.qwen3_5) run eager; in bfloat16 on a CPU without native
 bf16 matmuls their linears and MoE experts run the CPU kernel (`cpu-kernel-linears`), else
@@ -67,7 +77,7 @@ from .models.dflash import DFlashDraftModel
 from .models.kernel_linear import KernelLinear, WidenedLinear, swap_linears
 from .models.moe import Experts
 from .models.packed import PackedLinear, pack_linears, packing_available
-from .models.quantized import Int8Linear, quantize_linears_int8
+from .models.quantized import Int8Linear, quantize_drafter_int8, quantize_linears_int8
 from .models.qwen3 import CausalLM
 from .models.qwen3_5 import HybridCausalLM
 
@@ -80,7 +90,7 @@ QUANTIZATIONS = ("int8",)
 @dataclass(frozen=True)
 class FastPath:
     name: str
-    applies: Callable[[CausalLM, str | None], bool]   # (model, quantize)
+    applies: Callable[[CausalLM, DFlashDraftModel | None, str | None], bool]  # (.., quantize)
     apply: Callable[[CausalLM, DFlashDraftModel | None, bool], None]  # (.., target layers too)
 
 
@@ -104,12 +114,36 @@ def _int8(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> No
     _head_as(model, Int8Linear)  # a tied head gets an int8 copy
 
 
+def _int8_drafter(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> None:
+    """The drafter's linears, its context K/V rows and (unless the target's already is) the
+    head it drafts with, as int8: what its forward and every step's context store read. A
+    model an earlier engine prepared still has its matrix (the embedding, or the head's
+    `weight`), except an untied head packed for oneDNN: the drafter then drafts with that."""
+    assert drafter is not None
+    quantize_drafter_int8(drafter)
+    head = model.lm_head
+    if drafter.head is not None or isinstance(head, Int8Linear):
+        return  # an earlier engine's copy, or the int8 target's own head (shared)
+    if model.config.tie_word_embeddings or head is None:
+        matrix = model.embed_tokens.weight, None
+    elif isinstance(head, (nn.Linear, KernelLinear)):
+        matrix = head.weight, head.bias
+    else:
+        return
+    drafter.head = Int8Linear(*matrix, kernel_rows=None)  # few rows: all through the kernel
+
+
 def _kernel_head(model: CausalLM) -> None:
     """The head through the CPU kernel, on the checkpoint's matrix (no copy)."""
     _head_as(model, KernelLinear)
 
 
-def _packs(model: CausalLM, quantize: str | None) -> bool:
+def _drafts_int8(model: CausalLM, drafter: DFlashDraftModel | None,
+                 quantize: str | None) -> bool:
+    return drafter is not None and _cpu_bf16(model) and cpu_ops.available()
+
+
+def _packs(model: CausalLM, drafter: DFlashDraftModel | None, quantize: str | None) -> bool:
     return _cpu_bf16(model) and packing_available()
 
 
@@ -124,7 +158,8 @@ def _pack(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> No
         pack_linears(drafter)
 
 
-def _kernels_everywhere(model: CausalLM, quantize: str | None) -> bool:
+def _kernels_everywhere(model: CausalLM, drafter: DFlashDraftModel | None = None,
+                        quantize: str | None = None) -> bool:
     return _cpu_bf16(model) and not packing_available() and cpu_ops.available()
 
 
@@ -142,7 +177,8 @@ def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: b
 
 
 FAST_PATHS: list[FastPath] = [  # in order: quantization first, the layouts take what is left
-    FastPath("int8-weights", lambda model, quantize: quantize == "int8", _int8),
+    FastPath("int8-weights", lambda model, drafter, quantize: quantize == "int8", _int8),
+    FastPath("int8-drafter", _drafts_int8, _int8_drafter),
     FastPath("onednn-packed-bf16", _packs, _pack),
     FastPath("widened-bf16-linears", _kernels_everywhere, _kernel_linears),
 ]
@@ -177,7 +213,7 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
         # with every linear on the CPU kernel where torch would emulate bf16 matmuls.
         if quantize is not None:
             raise ValueError(f"quantize={quantize!r} is not supported on hybrid models yet")
-        if not _kernels_everywhere(model, None):
+        if not _kernels_everywhere(model):
             return Prepared([])
         t0 = time.perf_counter()
         _kernel_linears(model, drafter, True, KernelLinear)
@@ -224,7 +260,7 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
                 if decode is not None and decode.kernels:  # the head too: rows as invariant
                     _kernel_head(model)
                     applied.append("cpu-kernels")
-            if path.applies(model, quantize):
+            if path.applies(model, drafter, quantize):
                 t0 = time.perf_counter()
                 # with a decode forward, the eager layers serve prefill only (many rows)
                 path.apply(model, drafter, decode is None)

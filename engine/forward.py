@@ -70,9 +70,10 @@ def draft_metadata(attn: KernelDraftAttention | PagedDraftAttention) -> tuple[to
 
 def kernel_view(module: nn.Module) -> nn.Module:
     """`module` with its linears through the kernel (a copy sharing the weights); a drafter's
-    context K/V rows too (the K and V rows of each layer's fused qkv_proj, as a linear)."""
+    context K/V rows too (the K and V rows of each layer's fused qkv_proj, as a linear, unless
+    it has its own: the int8 drafter's, engine.fastpath)."""
     out = with_kernel_linears(module)
-    if isinstance(module, DFlashDraftModel):
+    if isinstance(module, DFlashDraftModel) and module.context_kv_proj is None:
         out.context_kv_proj = nn.ModuleList(
             KernelLinear(*module.context_kv_rows(i)) for i in range(len(module.layers)))
     return out
@@ -163,12 +164,12 @@ class DraftStep(nn.Module):
             attn = KernelDraftAttention(
                 k_caches, v_caches, *attention, self.page_size, d.attention_scale,
                 [d.layer_kind(i).causal for i in range(len(d.layers))])
-            return d(h, positions, attn, rows)
+            return d(h, positions, attn, rows, self.block_size)
         gather, ctx_lens = attention
         attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
                                    d.attention_scale,
                                    [d.layer_kind(i) for i in range(len(d.layers))])
-        return d(h, positions, attn).index_select(0, rows)
+        return d(h, positions, attn, block_size=self.block_size).index_select(0, rows)
 
 
 class DecodeForward:

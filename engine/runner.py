@@ -223,6 +223,7 @@ class ModelRunner:
                                         wanted)
         else:
             attn = PagedDraftAttention.build(*meta)
-            hidden = self.drafter(self.drafter.embed_block(self.model, block_ids), pos, attn)
+            hidden = self.drafter(self.drafter.embed_block(self.model, block_ids), pos, attn,
+                                  block_size=block_size)
             hidden = hidden.index_select(0, wanted)
         return self.drafter.logits(self.model, hidden.view(len(items), drafts, -1))

@@ -13,12 +13,12 @@ import torch
 from agentflash.embedded import embedded_model_dir, model_drafter_dir
 from agentflash.engine.attention import PagedAttention, PagedDraftAttention
 from agentflash.engine.compiled import CompiledDraft, CompiledForward, cache_key
-from agentflash.engine.forward import DecodeForward, DraftForward, step_args
+from agentflash.engine.forward import DecodeForward, DraftForward, kernel_view, step_args
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.packed import packing_available
-from agentflash.engine.models.quantized import quantize_linears_int8
+from agentflash.engine.models.quantized import quantize_drafter_int8, quantize_linears_int8
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 
@@ -130,6 +130,18 @@ def test_the_drafter_runs_compiled_and_its_context_is_stored_by_the_target_progr
     assert torch.equal(draft(block, bpos, attn, rows), got[rows])
 
 
+def _two_blocks(model, drafter):
+    """A drafter's caches (random) and two blocks over contexts of 1000 and 580 tokens: (k
+    caches, v caches, page tables, context lengths, block ids, block positions)."""
+    dk, dv = _caches(model, 128, seed=1)
+    dk, dv = dk[:len(drafter.layers)], dv[:len(drafter.layers)]
+    tables, ctx = [list(range(63)), list(range(63, 100))], [1000, 580]
+    mask = drafter.config.mask_token_id
+    block = torch.tensor([5] + [mask] * 15 + [9] + [mask] * 15)
+    bpos = torch.cat([torch.arange(1000, 1016), torch.arange(580, 596)])
+    return dk, dv, tables, ctx, block, bpos
+
+
 @pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
 def test_the_drafter_computes_only_the_rows_verified(model):
     """On the CPU kernels the drafter's last layer computes queries, MLP and norm only for the
@@ -139,12 +151,7 @@ def test_the_drafter_computes_only_the_rows_verified(model):
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
     run = DraftForward.eager(model, drafter, 16, PAGE)
     assert run.kernel_attention
-    dk, dv = _caches(model, 128, seed=1)
-    dk, dv = dk[:len(drafter.layers)], dv[:len(drafter.layers)]
-    tables, ctx = [list(range(63)), list(range(63, 100))], [1000, 580]
-    mask = drafter.config.mask_token_id
-    block = torch.tensor([5] + [mask] * 15 + [9] + [mask] * 15)
-    bpos = torch.cat([torch.arange(1000, 1016), torch.arange(580, 596)])
+    dk, dv, tables, ctx, block, bpos = _two_blocks(model, drafter)
     attn = run.attention(dk, dv, tables, ctx, 16, PAGE, drafter)
     whole = run(block, bpos, attn, torch.arange(32))
     eager_attn = PagedDraftAttention.build(dk, dv, tables, ctx, 16, PAGE, drafter)
@@ -232,3 +239,23 @@ def test_without_the_cpu_kernels_the_engine_keeps_onednn(monkeypatch):
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
     spec = Engine(model, drafter=drafter, compile=True)
     assert spec.generate([prompt], params)[0].output_ids == plain
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+def test_the_drafter_projects_a_blocks_mask_tokens_once(model):
+    """Every mask token of a block enters the drafter's first layer with the same input: given
+    the block size, the layer projects the anchors and one mask token and rotates them per
+    position, and every row is bitwise what projecting all N*B tokens gives (the kernels
+    compute each row alone), with bf16 and with int8 drafter weights."""
+    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+    dk, dv, tables, ctx, block, bpos = _two_blocks(model, drafter)
+    attn = PagedDraftAttention.build(dk, dv, tables, ctx, 16, PAGE, drafter)
+    quantized = copy.deepcopy(drafter)
+    quantize_drafter_int8(quantized)
+    h = drafter.embed_block(model, block)
+    outputs = []
+    for weights in (drafter, quantized):
+        run = kernel_view(weights)
+        outputs.append(run(h, bpos, attn))
+        assert torch.equal(run(h, bpos, attn, block_size=16), outputs[-1])
+    assert not torch.equal(*outputs)  # the int8 drafter's numbers are its own

@@ -12,7 +12,8 @@ One draft step for N sequences (spec: shared/specs/dflash.md), tokens flattened 
    q, k, v)` receives the block's own q/k/v and attends over the cached context plus the block
    (kernel `draft_attention`, mode from `layer_kind(layer)`). Block K/V are never cached. With
    `rows`, the last layer computes only the rows whose drafts are verified (every row's K/V).
-4. `logits(target, hidden)` on block rows 1..B-1: row k predicts the token at start + k.
+4. `logits(target, hidden)` on block rows 1..B-1: row k predicts the token at start + k, through
+   the target's head (or the drafter's own copy of it, `head`: engine.fastpath's int8 one).
 
 The layers are the target's Qwen3 `DecoderLayer` (pre-norm, q/k RMSNorm, RoPE): a block token's
 computation is exactly a target layer's. Parameter names are the checkpoint's (no `model.`
@@ -56,7 +57,8 @@ class LayerKind(NamedTuple):
 
 
 class DFlashDraftModel(nn.Module):
-    """Drafter layers plus `fc`/`hidden_norm` (context fusion) and `norm`; no embedding, no head."""
+    """Drafter layers plus `fc`/`hidden_norm` (context fusion) and `norm`; no embedding, and no
+    head of its own in the checkpoint (it drafts with the target's)."""
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
@@ -74,6 +76,9 @@ class DFlashDraftModel(nn.Module):
         # Inference transformations that cannot slice qkv_proj's weight (packed weights) give
         # each layer a linear of its own for the context K/V rows (engine.fastpath).
         self.context_kv_proj: nn.ModuleList | None = None
+        # An inference transformation may give the drafter a copy of the target's head to draft
+        # with (engine.fastpath: an int8 one); None: the target's own.
+        self.head: nn.Module | None = None
         # As the reference: sliding layers are causal in the block unless is_causal says otherwise.
         self._kinds = tuple(
             LayerKind(
@@ -157,7 +162,7 @@ class DFlashDraftModel(nn.Module):
 
     def forward(
         self, block_hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-        rows: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None, block_size: int | None = None,
     ) -> torch.Tensor:
         """Hidden states [N*B, H] after the final norm, from the embedded blocks [N*B, H] at
         their absolute `positions` [N*B] (below `config.max_position_embeddings`).
@@ -166,22 +171,50 @@ class DFlashDraftModel(nn.Module):
         rows whose drafts are verified), bitwise those rows of the whole forward: the last
         layer computes keys and values for every token but queries, its MLP and the norm only
         for `rows`. `attn` then needs `select(rows)`, the same attention for those queries
-        (KernelDraftAttention)."""
+        (KernelDraftAttention).
+
+        block_size: the tokens are N blocks [anchor, MASK x (B-1)] of this size, as
+        `block_input_ids` makes them. Every mask token then enters the first layer with the
+        same input, which only RoPE sets apart, so that layer normalises and projects the N
+        anchors and one mask token (`distinct_rows`) instead of N*B tokens: the same numbers
+        where the linears compute each row alone (the CPU kernels)."""
         h = block_hidden
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        *first, last = self.layers
-        for layer in first:
-            h = layer(h, cos, sin, attn)
-        h = last(h, cos, sin, attn) if rows is None else last(h, cos, sin, attn.select(rows), rows)
+        expand = None
+        if block_size is not None:
+            unique, expand = distinct_rows(h.shape[0] // block_size, block_size, h.device)
+            h = h.index_select(0, unique)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            select = rows if i == last else None
+            h = layer(h, cos, sin, attn if select is None else attn.select(select), select,
+                      expand if i == 0 else None)
         return self.norm(h)
 
     def logits(self, target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 draft logits: the target's head, then output_multiplier and the softcap."""
-        logits = target.logits(hidden)
+        """float32 draft logits: the target's head (or `head`), then output_multiplier and the
+        softcap."""
+        if self.head is None:
+            logits = target.logits(hidden)
+        else:  # flattened first, as CausalLM.logits does
+            flat = self.head(hidden.reshape(-1, hidden.shape[-1]))
+            logits = flat.view(*hidden.shape[:-1], flat.shape[-1]).float()
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def distinct_rows(blocks: int, block_size: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For N blocks [anchor, MASK x (B-1)] flattened: (unique [N + 1], the anchors' rows then the
+    first mask token's; expand [N*B], each token's index into unique)."""
+    token = torch.arange(blocks * block_size, device=device)
+    offset = token % block_size
+    unique = torch.cat((torch.arange(blocks, device=device) * block_size,
+                        torch.ones(1, dtype=torch.long, device=device)))
+    expand = torch.where(offset == 0, token // block_size, blocks)
+    return unique, expand
 
 
 def bundled_drafter_dir(model_dir: str | Path) -> Path | None:

@@ -12,6 +12,9 @@ model's own plain output); more rows (prefill chunks) are a bfloat16 matmul on t
 scaled after it where oneDNN's bf16 matmuls run, else float32 on the weight dequantized for the
 call. The model's head gets an int8 copy of its matrix too (tied embeddings keep theirs for the
 lookup): at Qwen3-0.6B's size it is a quarter of the weights.
+
+`quantize_drafter_int8` does the same to a DFlash drafter, whose numbers only decide which
+drafts are proposed: engine.fastpath's `int8-drafter`, on by default where the kernels run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from agentflash.kernels import cpu_ops
 
+from .dflash import DFlashDraftModel
 from .kernel_linear import WIDEN_ROWS
 from .packed import packing_available
 
@@ -87,3 +91,13 @@ def quantize_linears_int8(module: nn.Module) -> int:
         else:
             count += quantize_linears_int8(child)
     return count
+
+
+def quantize_drafter_int8(drafter: DFlashDraftModel) -> None:
+    """Every linear of a DFlash drafter as an `Int8Linear`, in place, its context K/V rows (the
+    K and V rows of each layer's qkv_proj, which the target's steps project every committed
+    token with) first given linears of their own."""
+    if drafter.context_kv_proj is None:
+        drafter.context_kv_proj = nn.ModuleList(
+            Int8Linear(*drafter.context_kv_rows(i)) for i in range(len(drafter.layers)))
+    quantize_linears_int8(drafter)

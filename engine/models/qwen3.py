@@ -51,10 +51,11 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
-        rows: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None, expand: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The attention output of every token of x, or only of the tokens `rows` (indices into
-        x): keys and values come from every token either way."""
+        x): keys and values come from every token either way. expand: x holds only distinct
+        inputs, token i's is x[expand[i]] (projected and normalised once, rotated per token)."""
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
         qk, v = qkv.split((heads + kv_heads, kv_heads), dim=1)
@@ -63,6 +64,8 @@ class Attention(nn.Module):
         if isinstance(self.q_norm, RMSNorm):
             qk = self.q_norm.norm(qk, torch.cat((self.q_norm.weight.expand(heads, -1),
                                                  self.k_norm.weight.expand(kv_heads, -1))))
+        if expand is not None:
+            qk, v = qk.index_select(0, expand), v.index_select(0, expand)
         q, k = apply_rope(qk, cos, sin).split((heads, kv_heads), dim=1)
         if rows is not None:
             q = q.index_select(0, rows)
@@ -80,13 +83,18 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
-        rows: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None, expand: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layer's output for every token of h, or only for the tokens `rows` (a drafter
         block's rows whose drafts are verified: the other tokens still give their keys and
-        values; `attn` then takes queries of those rows)."""
-        a = self.self_attn(self.input_layernorm(h), cos, sin, attn, rows)
-        h = (h if rows is None else h.index_select(0, rows)) + a
+        values; `attn` then takes queries of those rows). expand: h holds only the distinct
+        inputs, token i's being h[expand[i]] (a drafter block's mask tokens: Attention)."""
+        a = self.self_attn(self.input_layernorm(h), cos, sin, attn, rows, expand)
+        if expand is not None:
+            h = h.index_select(0, expand if rows is None else expand.index_select(0, rows))
+        elif rows is not None:
+            h = h.index_select(0, rows)
+        h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
