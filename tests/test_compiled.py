@@ -257,5 +257,10 @@ def test_the_drafter_projects_a_blocks_mask_tokens_once(model):
     for weights in (drafter, quantized):
         run = kernel_view(weights)
         outputs.append(run(h, bpos, attn))
+        projected = []  # rows the first layer's qkv projects
+        hook = run.layers[0].self_attn.qkv_proj.register_forward_hook(
+            lambda module, args, out: projected.append(args[0].shape[0]))
         assert torch.equal(run(h, bpos, attn, block_size=16), outputs[-1])
+        hook.remove()
+        assert projected == [3]  # two anchors and one mask token, not 32 tokens
     assert not torch.equal(*outputs)  # the int8 drafter's numbers are its own

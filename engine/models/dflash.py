@@ -194,11 +194,7 @@ class DFlashDraftModel(nn.Module):
     def logits(self, target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
         """float32 draft logits: the target's head (or `head`), then output_multiplier and the
         softcap."""
-        if self.head is None:
-            logits = target.logits(hidden)
-        else:  # flattened first, as CausalLM.logits does
-            flat = self.head(hidden.reshape(-1, hidden.shape[-1]))
-            logits = flat.view(*hidden.shape[:-1], flat.shape[-1]).float()
+        logits = target.logits(hidden, self.head)
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -129,13 +129,14 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
         """float32 logits [..., vocab] (the matmul runs in the model dtype, as in HF). Leading
         dimensions are flattened first: on a strided 3-d view (the drafter's block rows) linear
-        would broadcast the head into a batched matmul several times slower on CPU."""
+        would broadcast the head into a batched matmul several times slower on CPU. head: a
+        copy of the head to project with instead (a drafter's int8 one, engine.fastpath)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        flat = (F.linear(flat, self.embed_tokens.weight) if self.lm_head is None
-                else self.lm_head(flat))
+        head = head if head is not None else self.lm_head
+        flat = F.linear(flat, self.embed_tokens.weight) if head is None else head(flat)
         return flat.view(*hidden.shape[:-1], flat.shape[-1]).float()
 
     def forward(
