@@ -267,10 +267,10 @@ class StepCost:
         t = min(max((context - self.context) / span, 0.0), 1.0) if span > 0 else 0.0
         if t == 0.0 or t == 1.0:
             return self if t == 0.0 else longer
-        mix = lambda a, b: a + t * (b - a)   # noqa: E731
-        return StepCost(tuple(mix(a, b) for a, b in zip(self.draft, longer.draft)),
-                        tuple(mix(a, b) for a, b in zip(self.verify, longer.verify)),
-                        mix(self.plain_s, longer.plain_s), context, self.batch)
+        # (list comprehensions: this runs every drafted step)
+        return StepCost(tuple([a + t * (b - a) for a, b in zip(self.draft, longer.draft)]),
+                        tuple([a + t * (b - a) for a, b in zip(self.verify, longer.verify)]),
+                        self.plain_s + t * (longer.plain_s - self.plain_s), context, self.batch)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from .models.loader import load_model
 from .models.qwen3 import CausalLM
 from .models.qwen3_5 import HybridCausalLM
 from .runner import ModelRunner
-from .sampler import SamplingParams, make_generator
+from .sampler import SamplingParams, make_generator, top1
 from .scheduler import BatchItem, Scheduler
 from .sequence import SeqCounters, Sequence, Status
 from .spec import Rows, Verdict, confident_length, judge
@@ -296,22 +296,20 @@ class Engine:
             t0 = time.perf_counter()
             logits = self.runner.draft(verify, self.block_size,
                                        max(item.num_tokens for item in verify) - 1)
-            top = logits.max(-1)
-            drafts = top.indices.tolist()
+            # the drafts, and the drafter's probability of each (its softmax there) where step
+            # costs choose how many to verify
+            drafts, confidence = top1(logits, with_prob=self.spec.cost is not None)
             t_draft = time.perf_counter() - t0
             self.counters.draft_s += t_draft
             for item in verify:
                 item.seq.counters.draft_compute_s += t_draft / len(verify)
             self.counters.draft_forwards += 1
-            # the drafter's probability of each draft (its softmax there), where step costs
-            # choose how many to verify
-            confidence = ((top.values - logits.logsumexp(-1)).exp().tolist()
-                          if self.spec.cost is not None else None)
             for i, item in enumerate(verify):
                 n = item.num_tokens - 1
                 if item.seq.constraint is None:
                     if confidence is not None:  # verify what the drafter is confident enough of
-                        cost = self.spec.cost_at(self._decoding, item.seq.num_tokens)
+                        cost = item.cost = self.spec.cost_at(self._decoding,
+                                                             item.seq.num_tokens)
                         n = confident_length(confidence[i][:n], cost) - 1
                         item.num_tokens = n + 1
                     item.draft = drafts[i][:n]
@@ -477,7 +475,7 @@ class Engine:
         spec = self.spec
         rows = seq.draft_rows  # the drafter's rows this step (if it ran)
         if item.verifies and not item.predicted:  # the drafter ran (its drafts may all be cut)
-            cost = spec.cost_at(self._decoding, seq.num_tokens)
+            cost = item.cost or spec.cost_at(self._decoding, item.start)
             assert cost is not None
             if kept < cost.draft[rows] + cost.verify[drafted]:  # plain steps made more
                 seq.cooldown, seq.backoff = seq.backoff, min(2 * seq.backoff, spec.max_backoff)

@@ -2,6 +2,7 @@
 
 `target_probs` is the one place where logits become the distribution a request samples from;
 plain decoding and speculative verification both use it, so they sample the same distribution.
+`top1` is the greedy choice (and the drafter's probability of its drafts).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from agentflash.kernels import cpu_ops
 
 from .errors import RequestError
 
@@ -59,6 +62,24 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def top1(logits: torch.Tensor, with_prob: bool = False) -> tuple[list, list | None]:
+    """Each row's greedy token of logits [..., V] (the first of equal maxima, as torch.argmax)
+    and, with_prob, its softmax probability, as nested lists shaped like logits[..., 0]. On CPU
+    through the kernel once an engine loaded the CPU kernels (kernels.cpu_ops.top1: a few
+    microseconds where torch's argmax and logsumexp take tens, every step), else torch."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.loaded():
+        flat = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
+        index, prob = cpu_ops.top1(flat, with_prob)
+        if logits.dim() != 2:
+            index = index.view(logits.shape[:-1])
+            prob = prob.view(logits.shape[:-1]) if with_prob else prob
+    else:
+        top = logits.max(-1)
+        index = top.indices
+        prob = (top.values - logits.logsumexp(-1)).exp() if with_prob else None
+    return index.tolist(), prob.tolist() if with_prob else None
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

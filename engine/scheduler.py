@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .config import SchedulerConfig
+from .config import SchedulerConfig, StepCost
 from .errors import KVPoolExhaustedError
 from .kv.manager import KVManager
 from .kv.state_pool import StatePool
@@ -49,6 +49,7 @@ class BatchItem:
     draft: list[int] | None = None
     masks: list[torch.Tensor] | None = None  # constrained verify: allowed tokens per block row
     predicted: bool = False             # the drafts are the caller's prediction, not the drafter's
+    cost: StepCost | None = None        # the step costs its verify length was chosen with
     start: int = field(init=False)
     verifies: bool = field(init=False)
     samples: bool = field(init=False)   # yields the sequence's next token(s)

@@ -27,7 +27,7 @@ import torch
 
 from ..kernels import dispatch
 from .config import StepCost
-from .sampler import SamplingParams, target_probs
+from .sampler import SamplingParams, target_probs, top1
 
 
 class Verdict(NamedTuple):
@@ -51,7 +51,7 @@ def judge(logits: torch.Tensor, batch: list[Rows]) -> list[Verdict]:
     sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
     if greedy and logits.device.type == "cpu" and dispatch.uses_reference("accept_greedy", "cpu"):
         # no device to sync with: the reference's verdicts, judged on the host
-        choice = logits.argmax(-1).tolist()
+        choice, _ = top1(logits)
         for i in greedy:
             r = batch[i]
             accepted = 0

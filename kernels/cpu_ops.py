@@ -10,6 +10,8 @@
 - `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
   each query over its sequence's keys in the paged pool, read in place through its page table
   (attention.cpp): no gathered copy of the context, no batched-matmul calls.
+- `top1(logits, with_prob)`: each row's argmax and the softmax probability there, for a step's
+  float32 logits (top1.cpp): a few microseconds where torch's reductions take tens.
 
 Each has one implementation per instruction set (`ISAS`, the first the CPU has is built):
 AVX512-BF16 (`vdpbf16ps` on bfloat16 pairs) and AVX2 + FMA (bfloat16 widened to float32 in
@@ -40,8 +42,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
+_loaded = False  # load() succeeded in this process
+
 _DIR = Path(__file__).with_name("cpu")
-COMMON = ("linear.cpp", "attention.cpp")
+COMMON = ("linear.cpp", "attention.cpp", "top1.cpp")
 HEADERS = ("kernels.h", "simd_avx512.h", "simd_avx2.h", "linear_avx2.h")
 
 
@@ -149,6 +153,8 @@ def load() -> str | None:
     except Exception as error:  # no compiler, no ninja, a failed build
         return f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[-1][:300]}"
     _register_fakes()
+    global _loaded
+    _loaded = True
     return None
 
 
@@ -160,6 +166,12 @@ def available() -> bool:
     if why is not None:
         log.info("agentflash's CPU kernels are not used: %s", why)
     return why is None
+
+
+def loaded() -> bool:
+    """Whether the ops are loaded in this process already (never builds them: for callers that
+    are faster with them but must not pay a first build, `available()`, for them)."""
+    return _loaded
 
 
 def attends(head_dim: int) -> bool:
@@ -202,6 +214,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return torch.ops.agentflash.paged_attention_bf16(q, k_cache, v_cache, page_table, page_size,
                                                      token_seq, token_keys, scale, k_new, v_new,
                                                      cached)
+
+
+def top1(logits: torch.Tensor, with_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax [R] (int64; the first of equal maxima, or the first NaN, as
+    torch.argmax) of float32 logits [R, V] and, with_prob, the softmax probability there [R]
+    (float32; else empty)."""
+    return torch.ops.agentflash.top1(logits, with_prob)
 
 
 def _register_fakes() -> None:

@@ -17,6 +17,7 @@ import torch
 from agentflash.engine.attention import KernelAttention, PagedAttention
 from agentflash.engine.models.kernel_linear import (WIDEN_ROWS, KernelLinear, WidenedLinear,
                                                    with_kernel_linears)
+from agentflash.engine.sampler import top1
 from agentflash.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(),
@@ -226,3 +227,28 @@ def test_kernel_attention_stores_kv_and_agrees_with_the_torch_path():
     assert (out.float() - want.float()).abs().max() < 0.02
     slot = tables[1][249 // page] * page + 249 % page  # sequence 1's last new token
     assert torch.equal(caches[0][0][slot], k[5])
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (6, 4096), (2, 3, 4096), (3, 7), (5, 2)])
+def test_top1_is_torch_argmax_and_the_softmax_there(shape):
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * 4
+    logits[..., 1] = logits[..., 0] = logits.amax(-1)  # a tie: the first index wins
+    index, prob = top1(logits, with_prob=True)
+    assert index == logits.argmax(-1).tolist()
+    want = (logits.amax(-1) - logits.logsumexp(-1)).exp()
+    assert torch.allclose(torch.tensor(prob), want, rtol=1e-5, atol=0)
+    assert top1(logits) == (index, None)
+    strided = logits.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert top1(strided) == (index, None)
+
+
+def test_top1_treats_nan_and_masked_rows_as_torch_does():
+    rows = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
+    rows[1, 13] = rows[1, 17] = float("nan")  # the first NaN is the argmax
+    rows[2] = float("-inf")                     # a row masked whole: index 0, probability NaN
+    index, prob = cpu_ops.top1(rows, True)
+    assert index.tolist() == rows.argmax(-1).tolist() == [index[0].item(), 13, 0]
+    assert not math.isnan(prob[0].item()) and math.isnan(prob[1].item())
+    assert math.isnan(prob[2].item())
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.top1(rows.bfloat16(), False)

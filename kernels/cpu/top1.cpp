@@ -1,0 +1,94 @@
+// agentflash::top1: each row's largest logit (its first index) and, if asked, the softmax
+// probability there, 1 / sum_j exp(x_j - max), for the float32 logits [R, V] of a decode or
+// verify step (R <= a few dozen rows).
+//
+// Why it exists (docs/performance.md): a greedy step needs each row's argmax and a drafted step
+// the drafter's probability of each draft. torch's argmax over a [6, 4096] row block costs ~28
+// us and logsumexp plus max ~100 us warm, more in the decode loop; this single-threaded pass
+// takes a few microseconds per row and opens no parallel region.
+//
+// Ties go to the first index, and a row holding NaN gives its first NaN, as torch.argmax does;
+// the probability is NaN where the maximum is NaN or infinite (as exp(max - logsumexp)).
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// The row's maximum; NaN if it holds one (at::vec::maximum propagates NaN).
+float row_max(const float* x, int64_t n) {
+  int64_t j = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  if (n >= Vec::size()) {
+    Vec acc = Vec::loadu(x);
+    for (j = Vec::size(); j + Vec::size() <= n; j += Vec::size())
+      acc = at::vec::maximum(acc, Vec::loadu(x + j));
+    alignas(64) float lanes[Vec::size()];
+    acc.store(lanes);
+    for (int i = 0; i < Vec::size(); ++i)
+      best = std::isnan(lanes[i]) || lanes[i] > best ? lanes[i] : best;
+    if (std::isnan(best)) return best;
+  }
+  for (; j < n; ++j)
+    if (std::isnan(x[j]) || x[j] > best) {
+      best = x[j];
+      if (std::isnan(best)) return best;
+    }
+  return best;
+}
+
+// sum_j exp(x_j - max), with ATen's vectorised exp (its error is far below what a probability
+// used to choose how many drafts to verify needs).
+float sum_exp(const float* x, int64_t n, float max) {
+  const Vec m(max);
+  Vec acc(0.0f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) acc = acc + (Vec::loadu(x + j) - m).exp_u20();
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; j < n; ++j) sum += std::exp(x[j] - max);
+  return sum;
+}
+
+std::tuple<at::Tensor, at::Tensor> top1(const at::Tensor& logits, bool with_prob) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
+              "top1: float32 CPU logits [R, V], got ", logits.sizes(), " ",
+              logits.scalar_type());
+  TORCH_CHECK(logits.size(1) > 0, "top1: rows of at least one logit");
+  const at::Tensor x = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor index = at::empty({rows}, x.options().dtype(at::kLong));
+  at::Tensor prob = at::empty({with_prob ? rows : 0}, x.options());
+  int64_t* out = index.data_ptr<int64_t>();
+  float* p = with_prob ? prob.data_ptr<float>() : nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x.data_ptr<float>() + r * x.stride(0);
+    const float max = row_max(row, n);
+    int64_t at = 0;
+    if (std::isnan(max)) {
+      while (!std::isnan(row[at])) ++at;
+    } else {
+      while (row[at] != max) ++at;
+    }
+    out[r] = at;
+    if (p != nullptr)  // a NaN or infinite maximum: NaN, as exp(max - logsumexp) in torch
+      p[r] = std::isfinite(max) ? 1.0f / sum_exp(row, n, max)
+                                : std::numeric_limits<float>::quiet_NaN();
+  }
+  return {index, prob};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(agentflash, m) {
+  m.def("top1(Tensor logits, bool with_prob) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(agentflash, CPU, m) { m.impl("top1", &top1); }
