@@ -230,9 +230,10 @@ def test_kernel_attention_stores_kv_and_agrees_with_the_torch_path():
 
 
 @pytest.mark.parametrize("shape", [(1, 4096), (6, 4096), (2, 3, 4096), (3, 7), (5, 2)])
-def test_top1_is_torch_argmax_and_the_softmax_there(shape):
+def test_top1_is_torch_argmax_and_the_softmax_there(shape, monkeypatch):
     logits = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * 4
     logits[..., 1] = logits[..., 0] = logits.amax(-1)  # a tie: the first index wins
+    assert cpu_ops.loaded()  # engine.sampler.top1 takes the kernel
     index, prob = top1(logits, with_prob=True)
     assert index == logits.argmax(-1).tolist()
     want = (logits.amax(-1) - logits.logsumexp(-1)).exp()
@@ -240,6 +241,10 @@ def test_top1_is_torch_argmax_and_the_softmax_there(shape):
     assert top1(logits) == (index, None)
     strided = logits.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert top1(strided) == (index, None)
+    monkeypatch.setattr(cpu_ops, "_loaded", False)  # the torch path where the ops are not loaded
+    torch_index, torch_prob = top1(logits, with_prob=True)
+    assert torch_index == index
+    assert torch.allclose(torch.tensor(torch_prob), torch.tensor(prob), rtol=1e-5, atol=0)
 
 
 def test_top1_treats_nan_and_masked_rows_as_torch_does():
