@@ -14,16 +14,18 @@
   float32 logits (top1.cpp): a few microseconds where torch's reductions take tens.
 
 Each has one implementation per instruction set (`ISAS`, the first the CPU has is built):
-AVX512-BF16 (`vdpbf16ps` on bfloat16 pairs) and AVX2 + FMA (bfloat16 widened to float32 in
-registers: CPUs without native bf16, where torch's bf16 matmul is emulated and slow). Both
+AVX512-BF16 (`vdpbf16ps` on bfloat16 pairs), AVX512 without bf16 and AVX2 + FMA (bfloat16
+widened to float32 in registers, 16 or 8 lanes: CPUs without native bf16, where torch's bf16
+matmul is emulated and slow). All
 compute every output row the same way whatever else shares the call, so a verify block's rows
 are bitwise the decode steps' rows (what greedy speculative decoding needs to equal plain
-decoding); the two sets' numbers differ from each other in the last bits. The library is built
+decoding); the sets' numbers differ from each other in the last bits. The library is built
 from source with torch's C++ extension loader the first time a process needs it (~20 s on 2
 cores; needs a C++ compiler), cached under $AGENTFLASH_CACHE_DIR (else ~/.cache/agentflash) by
 the sources' digest, and loaded in milliseconds afterwards. `available()` says whether the ops
 run here; where they do not (no AVX2, no compiler, $AGENTFLASH_CPU_KERNELS=0) callers keep the
-torch path. $AGENTFLASH_CPU_ISA=avx2 builds the AVX2 set on a CPU that has both (to test it).
+torch path. $AGENTFLASH_CPU_ISA=avx2 (or avx512) builds that set on a CPU that has a better one (to
+test it).
 The ops are traceable (fake implementations give their shapes), so `torch.export` keeps each as
 one node and AOTInductor calls it from a compiled program (engine.compiled).
 """
@@ -64,6 +66,12 @@ ISAS = (  # in order of preference
         ("linear_avx512.cpp", "attention_avx512.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")),
+    # AVX512 without native bf16 (Skylake-SP to Ice Lake): its own linears, AVX2's attention
+    # (whose ATen vector code is AVX2's, hence that CPU_CAPABILITY)
+    Isa("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
+        ("linear_avx512f.cpp", "attention_avx2.cpp"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+         "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")),
     Isa("avx2", ("avx2", "fma"),
         ("linear_avx2.cpp", "linear_int8_avx2.cpp", "attention_avx2.cpp"),
         ("-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")),

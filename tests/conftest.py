@@ -3,6 +3,7 @@ Triton in interpreter mode on machines without CUDA."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -281,3 +282,19 @@ def assert_rows_independent(layer, x: torch.Tensor) -> None:
     rows = [layer(x[i:i + 1]) for i in range(x.shape[0])]
     for m in range(2, x.shape[0] + 1):
         assert torch.equal(layer(x[:m]), torch.cat(rows[:m])), f"{m} rows"
+
+
+@functools.cache
+def bf16_gemm_rows_are_independent() -> bool:
+    """Whether this CPU's bfloat16 matmul gives rows the same bits in a call of any row count
+    up to 16 as in a call of 16, on the embedded model's layer shapes (oneDNN's kernels do with
+    native bf16 and held to AVX2; held to AVX512 without BF16, a few elements differ)."""
+    g = torch.Generator().manual_seed(0)
+    for fan_in, fan_out in ((384, 640), (384, 2048), (1024, 384)):
+        w = torch.randn(fan_out, fan_in, generator=g).to(torch.bfloat16)
+        x = torch.randn(16, fan_in, generator=g).to(torch.bfloat16)
+        block = torch.nn.functional.linear(x, w)
+        if not all(torch.equal(torch.nn.functional.linear(x[:m], w), block[:m])
+                   for m in range(1, 16)):
+            return False
+    return True

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from agentflash.embedded import embedded_model_dir, model_drafter_dir
 from agentflash.engine import fastpath
@@ -25,6 +24,7 @@ from agentflash.engine.models.quantized import Int8Linear
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 from agentflash.tokenizer import load_tokenizer
+from conftest import bf16_gemm_rows_are_independent
 
 HELDOUT = Path(__file__).parent / "data" / "heldout.jsonl"
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
@@ -124,20 +124,6 @@ def test_dflash_greedy_equals_plain_and_beats_a_random_drafter(tokenizer, target
     # (docs/embedded-model.md: mean tau 3.6 on the test split; the goal of 4 is not met yet).
     assert random_tau < 1.05
     assert trained > random_tau + 0.3, (trained, random_tau)
-
-
-def bf16_gemm_rows_are_independent() -> bool:
-    """Whether this CPU's bfloat16 matmul gives rows the same bits in a call of any row count
-    up to 16 as in a call of 16, on the embedded model's layer shapes (oneDNN's kernels do with
-    native bf16 and held to AVX2; held to AVX512 without BF16, a few elements differ)."""
-    g = torch.Generator().manual_seed(0)
-    for fan_in, fan_out in ((384, 640), (384, 2048), (1024, 384)):
-        w = torch.randn(fan_out, fan_in, generator=g).to(torch.bfloat16)
-        x = torch.randn(16, fan_in, generator=g).to(torch.bfloat16)
-        block = F.linear(x, w)
-        if not all(torch.equal(F.linear(x[:m], w), block[:m]) for m in range(1, 16)):
-            return False
-    return True
 
 
 @pytest.mark.skipif(not bf16_gemm_rows_are_independent(),

@@ -20,7 +20,7 @@ from agentflash.kernels import cpu_ops
 from conftest import random_linear_case
 
 pytestmark = pytest.mark.skipif(not packing_available(),
-                                reason="this torch build or CPU has no oneDNN bf16 matmuls")
+                                reason="this torch build or CPU has no native oneDNN bf16 matmuls")
 
 
 @pytest.mark.parametrize("shape", [(1152, 384), (4096, 384), (384, 1024), (1024, 3072),

@@ -17,17 +17,26 @@ as a linear of its own before packing.
 from __future__ import annotations
 
 import functools
+import platform
 
 import torch
 from torch import nn
 
+from ..device import cpu_has_native_bf16
+
 
 @functools.cache
 def packing_available() -> bool:
-    """oneDNN bfloat16 matmuls with prepacked weights exist in this torch build and CPU."""
-    return (torch.backends.mkldnn.is_available()
+    """oneDNN bfloat16 matmuls with prepacked weights exist in this torch build and run natively
+    on this CPU. oneDNN also takes bf16 on x86 CPUs with AVX512 but without AVX512-BF16 or AMX
+    (Skylake-SP to Ice Lake), emulated there at about a fifth of its float32 speed (measured on
+    a 2-core Xeon: 58 against 277 GFLOP/s at 512 x 384 x 2048); those CPUs take agentflash's
+    kernels and float32 prefill instead (engine.fastpath: widened-bf16-linears)."""
+    if not (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    return cpu_has_native_bf16() or platform.machine().lower() not in ("x86_64", "amd64")
 
 
 class PackedLinear(nn.Module):
