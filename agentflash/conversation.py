@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, AsyncGenerator, Sequence
 
 from agentflash.engine.sampler import SamplingParams
 
@@ -219,7 +219,7 @@ class TextReply:
 
 async def complete(runtime: Runtime, prompt: list[int], params: SamplingParams,
                    max_tokens: int | None = None, prediction: str | None = None,
-                   ) -> AsyncIterator[TextChunk | TextReply]:
+                   ) -> AsyncGenerator[TextChunk | TextReply, None]:
     """A raw completion of `prompt` (token ids): text chunks, then a `TextReply`. Raises
     ContextLengthError before submitting when it cannot fit."""
     params = replace(params, max_new_tokens=_budget(runtime, prompt, max_tokens))

@@ -17,6 +17,7 @@ import httpx2 as httpx  # the openai client's HTTP library
 import jsonschema
 import openai
 import pytest
+import starlette.testclient
 
 from agentflash import Runtime
 from agentflash.engine.config import CacheConfig
@@ -266,6 +267,27 @@ def test_n_choices_share_the_prompt(client):
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
     assert greedy.usage.completion_tokens == 2 * client.chat.completions.create(
         model=MODEL, messages=ASK, temperature=0, max_tokens=24).usage.completion_tokens
+
+
+def test_n_choices_stream(client, rt):
+    """Streamed n > 1: every choice's deltas, under its index, as the same request unstreamed
+    gives them; through a real server and through the app in process (ASGI), where the choices'
+    merge once failed as the response body began iterating it in another task."""
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, n=2,
+                                           max_tokens=16)
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, n=2,
+                                                max_tokens=16, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    with starlette.testclient.TestClient(create_app(rt)) as local:
+        r = local.post("/v1/completions", json={"model": rt.model_name, "prompt": "The weather",
+                                                "n": 3, "max_tokens": 4, "stream": True})
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        assert {c["index"] for e in events for c in e["choices"]} == {0, 1, 2}
 
 
 def test_stop_strings_are_cut(client):

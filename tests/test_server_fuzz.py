@@ -15,7 +15,9 @@ from agentflash.server import create_app
 from test_server import assert_clean
 
 EXAMPLES = 25
-"""Generated requests per operation (the whole test stays under a minute on 2 cores)."""
+"""Generated requests per operation (the whole test stays under a minute on 2 cores). They are
+derandomized (the same on every run): drawn afresh each run, 25 of them sometimes all failed
+validation, and whether CI passed was luck."""
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def test_no_input_gets_a_server_error_and_nothing_leaks(runtime):
     seen: dict[str, set[int]] = {}
     for operation in operations:
         @given(operation.as_strategy(), st.booleans())
-        @settings(max_examples=EXAMPLES, deadline=None, database=None,
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
                   phases=[Phase.generate],  # no shrinking: report the failing request as is
                   suppress_health_check=list(HealthCheck))
         def fuzz(case, served: bool) -> None:

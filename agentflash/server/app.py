@@ -11,9 +11,9 @@ every failure, and a client that disconnects mid-stream aborting its generation.
 
 from __future__ import annotations
 
+import asyncio
 import json
-import math
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -222,31 +222,46 @@ def create_app(runtime: Runtime, served_model_name: str | None = None,
 
 # ---- running choices ----------------------------------------------------------------------
 
-async def _merge(sources: list[Callable[[], AsyncIterator[Any]]]) -> AsyncIterator[
+async def _merge(sources: list[Callable[[], AsyncGenerator[Any, None]]]) -> AsyncIterator[
         tuple[int, Any]]:
     """(index, event) from several async iterators, as they come; one iterator is passed
-    through. An error in any ends all (the others are cancelled, freeing their KV)."""
+    through. An error in any ends all (the others are cancelled, freeing their KV). The sources
+    run as tasks of their own, not in a task group held across this generator's yields: a
+    streamed response takes its first event in the endpoint's task and the rest in the body's,
+    and a cancel scope must be left in the task that entered it."""
     if len(sources) == 1:
         async for event in sources[0]():
             yield 0, event
         return
-    send, receive = anyio.create_memory_object_stream[tuple[int, Any]](math.inf)
+    queue: asyncio.Queue[tuple[int, Any] | BaseException | None] = asyncio.Queue()
 
-    async def pump(index: int, source: Callable[[], AsyncIterator[Any]]) -> None:
-        async for event in source():
-            await send.send((index, event))
+    async def pump(index: int, source: Callable[[], AsyncGenerator[Any, None]]) -> None:
+        events = source()
+        try:
+            async for event in events:
+                queue.put_nowait((index, event))
+        except Exception as error:
+            queue.put_nowait(error)
+        else:
+            queue.put_nowait(None)  # this source is done
+        finally:
+            await events.aclose()
 
-    async def run_all() -> None:
-        async with send:
-            async with anyio.create_task_group() as tg:
-                for i, source in enumerate(sources):
-                    tg.start_soon(pump, i, source)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run_all)
-        async with receive:
-            async for item in receive:
+    tasks = [asyncio.create_task(pump(i, source)) for i, source in enumerate(sources)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
                 yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _shared_prefill(runtime: Runtime, prompt: list[int]) -> Any:
