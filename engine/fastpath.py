@@ -16,8 +16,8 @@ serves every decode and verify row, so speculative output equals plain output wi
   compiled step only the head is packed: the programs hold their own packed weights.
 
 - `cpu-kernels` (with the compiled step, where agentflash's CPU kernels run: kernels.cpu_ops,
-  AVX512-BF16, AVX512 or AVX2): the programs compute their linears and attention with them, and the
-  head becomes a `KernelLinear` on the checkpoint's matrix (engine.compiled).
+  AVX512-BF16, AVX512 or AVX2): the programs compute their linears and attention with them, and
+  the head becomes a `KernelLinear` on the checkpoint's matrix (engine.compiled).
 
 - `widened-bf16-linears` (CPU, bfloat16, no native bf16 matmuls, where the CPU kernels run):
   every linear layer of the eager models becomes a `WidenedLinear` (engine.models.kernel_linear):

@@ -24,8 +24,8 @@ from source with torch's C++ extension loader the first time a process needs it 
 cores; needs a C++ compiler), cached under $AGENTFLASH_CACHE_DIR (else ~/.cache/agentflash) by
 the sources' digest, and loaded in milliseconds afterwards. `available()` says whether the ops
 run here; where they do not (no AVX2, no compiler, $AGENTFLASH_CPU_KERNELS=0) callers keep the
-torch path. $AGENTFLASH_CPU_ISA=avx2 (or avx512) builds that set on a CPU that has a better one (to
-test it).
+torch path. $AGENTFLASH_CPU_ISA=avx2 (or avx512) builds that set on a CPU that has a better
+one (to test it).
 The ops are traceable (fake implementations give their shapes), so `torch.export` keeps each as
 one node and AOTInductor calls it from a compiled program (engine.compiled).
 """

@@ -29,8 +29,9 @@ from ..device import cpu_has_native_bf16
 def packing_available() -> bool:
     """oneDNN bfloat16 matmuls with prepacked weights exist in this torch build and run natively
     on this CPU. oneDNN also takes bf16 on x86 CPUs with AVX512 but without AVX512-BF16 or AMX
-    (Skylake-SP to Ice Lake), emulated there at about a fifth of its float32 speed (measured on
-    a 2-core Xeon: 58 against 277 GFLOP/s at 512 x 384 x 2048); those CPUs take agentflash's
+    (Skylake-SP to Ice Lake), emulated there at about a fourth of its float32 speed (measured on
+    a 2-core Xeon at 512 rows, 384 -> 2048: 55 GFLOP/s against 227 in float32 on the widened
+    weight); those CPUs take agentflash's
     kernels and float32 prefill instead (engine.fastpath: widened-bf16-linears)."""
     if not (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

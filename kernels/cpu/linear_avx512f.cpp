@@ -1,7 +1,7 @@
 // The AVX512F implementation of linear.cpp's `linear_columns` and `linear_int8_columns`
 // (kernels.h), for CPUs with AVX512 but without native bfloat16 arithmetic (Intel Skylake-SP to
-// Ice Lake, AMD Zen 4 VMs that hide AVX512-BF16): weights widened to float32 in 16-lane
-// registers, twice AVX2's width, with 32 registers for the tiles.
+// Ice Lake): weights widened to float32 in 16-lane registers, twice AVX2's width, with 32
+// registers for the tiles.
 //
 // Every output y[m, n] is one dot product of x's row m and W's row n over K in 32-element
 // chunks (the last zero-padded): a chunk is split exactly into two float32 vectors of 16 (F
