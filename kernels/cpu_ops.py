@@ -66,16 +66,20 @@ ISAS = (  # in order of preference
         ("linear_avx512.cpp", "attention_avx512.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")),
-    # AVX512 without native bf16 (Skylake-SP to Ice Lake): its own linears, AVX2's attention
-    # (whose ATen vector code is AVX2's, hence that CPU_CAPABILITY)
+    # AVX512 without native bf16 (Skylake-SP to Ice Lake)
     Isa("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
-        ("linear_avx512f.cpp", "attention_avx2.cpp"),
+        ("linear_avx512f.cpp", "attention_avx512f.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-         "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")),
+         "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")),
     Isa("avx2", ("avx2", "fma"),
         ("linear_avx2.cpp", "linear_int8_avx2.cpp", "attention_avx2.cpp"),
         ("-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")),
 )
+
+
+def source_paths(chosen: Isa) -> list[Path]:
+    """The files one instruction set's library is compiled from (headers in their folder)."""
+    return [_DIR / name for name in COMMON + chosen.sources]
 
 
 def cache_root() -> Path:
@@ -154,7 +158,7 @@ def load() -> str | None:
         name = f"agentflash_cpu_{chosen.name.replace('-', '_')}_{source_digest()}"
         build = cache_root() / "kernels" / name
         build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(_DIR / p) for p in COMMON + chosen.sources],
+        cpp_extension.load(name=name, sources=[str(path) for path in source_paths(chosen)],
                            extra_cflags=["-O3", "-fopenmp", *chosen.flags],
                            extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False)

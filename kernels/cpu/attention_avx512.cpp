@@ -11,7 +11,6 @@
 // once to bfloat16. That sequence depends only on the query, its keys and how many it sees,
 // never on what else is in the call or which thread runs it.
 
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -27,38 +26,11 @@ namespace {
 using agentflash_cpu::KvSource;
 using agentflash_cpu::QueryRun;
 using agentflash_cpu::store_bf16;
+using agentflash_cpu::transpose16;
 
 constexpr int kBlock = 16;      // keys per block
 
 inline __m512 exp16(__m512 x) { return at::vec::Vectorized<float>(x).exp_u20(); }
-
-// out[c] = column c of the 16 x 16 matrix of 32-bit words whose rows are r[0..15].
-inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
-  __m512i t[16], u[16], v[4][4];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {  // u[4i + k], lane L: column 4L + k of rows 4i .. 4i+3
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k) {
-    v[k][0] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);       // columns k, 8+k of rows 0-7
-    v[k][1] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);       // columns 4+k, 12+k
-    v[k][2] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);  // the same of rows 8-15
-    v[k][3] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
-    out[k] = _mm512_shuffle_i32x4(v[k][0], v[k][2], 0x88);
-    out[8 + k] = _mm512_shuffle_i32x4(v[k][0], v[k][2], 0xDD);
-    out[4 + k] = _mm512_shuffle_i32x4(v[k][1], v[k][3], 0x88);
-    out[12 + k] = _mm512_shuffle_i32x4(v[k][1], v[k][3], 0xDD);
-  }
-}
 
 // A block of 16 keys and values laid out for `vdpbf16ps` (keys past `n` are zeros):
 // keys[i] lane j = the i-th pair of key j's elements (2i, 2i+1), so a query's 16 scores are
@@ -229,18 +201,11 @@ void attend(const KvSource& src, const QueryRun& run) {
 
 namespace agentflash_cpu {
 
-// One task per (run, KV head): its queries and their G heads share each block of keys.
 void attend_all(const AttentionCall& call) {
-  const int64_t Hkv = call.Hkv;
   with_head_dim(call.D, [&](auto dim) {
-    at::parallel_for(0, static_cast<int64_t>(call.runs->size()) * Hkv, 1,
-                     [&](int64_t begin, int64_t end) {
-                       for (int64_t item = begin; item < end; ++item) {
-                         const size_t i = static_cast<size_t>(item / Hkv);
-                         attend<decltype(dim)::value>(call.source(i, item % Hkv),
-                                                      call.run(i, item % Hkv));
-                       }
-                     });
+    attend_per_kv_head(call, [](const KvSource& src, const QueryRun& run) {
+      attend<decltype(dim)::value>(src, run);
+    });
   });
 }
 

@@ -8,6 +8,7 @@
 // steps' rows, which greedy speculative decoding needs to equal plain decoding.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <xmmintrin.h>
 
 #include <algorithm>
@@ -109,6 +110,21 @@ struct AttentionCall {
 
 // Every output of the call (this instruction set's kernels and split of the work over threads).
 void attend_all(const AttentionCall& call);
+
+// attend_all for kernels that take one (run, KV head) at a time: one task each, split over
+// threads; attend(source, run) computes its outputs (the run's queries and their G heads share
+// each block of keys).
+template <typename F>
+inline void attend_per_kv_head(const AttentionCall& call, F&& attend) {
+  const int64_t Hkv = call.Hkv;
+  at::parallel_for(0, static_cast<int64_t>(call.runs->size()) * Hkv, 1,
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t item = begin; item < end; ++item) {
+                       const size_t i = static_cast<size_t>(item / Hkv);
+                       attend(call.source(i, item % Hkv), call.run(i, item % Hkv));
+                     }
+                   });
+}
 
 constexpr int64_t kMaxHeadDim = 256;
 

@@ -202,16 +202,6 @@ void rows_by_weights(const float* xs, int64_t chunks, int64_t K, int64_t rows,
   }
 }
 
-// 16 float32 values rounded to bfloat16 as torch rounds them (to nearest even; NaN to 0x7FC0).
-inline __m256i round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
-}
-
 // y[m, n0 : n0 + width] from its 16-lane partial sums `part` (width <= 16; unused slots zero).
 inline void finish(const LinearArgs& a, int64_t m, int64_t n0, int width,
                    const __m512 (&part)[16]) {
@@ -224,7 +214,7 @@ inline void finish(const LinearArgs& a, int64_t m, int64_t n0, int width,
     sums = _mm512_add_ps(sums,
                          _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
   }
-  _mm256_mask_storeu_epi16(a.y + m * a.ldy + n0, mask, round_bf16(sums));
+  _mm256_mask_storeu_epi16(a.y + m * a.ldy + n0, mask, agentflash_cpu::round_bf16(sums));
 }
 
 // Every row of y for W's rows [n0, n1).

@@ -1,5 +1,6 @@
-// AVX512 helpers shared by agentflash's AVX512-BF16 kernels (linear_avx512.cpp,
-// attention_avx512.cpp).
+// AVX512 helpers shared by agentflash's AVX512 kernels: linear_avx512.cpp and
+// attention_avx512.cpp (AVX512-BF16), linear_avx512f.cpp and attention_avx512f.cpp (without).
+// All but store_bf16 are AVX512F.
 #pragma once
 
 #include <immintrin.h>
@@ -41,6 +42,48 @@ inline __m512 lane_maxes(const __m512 (&v)[16]) { return lane_reduce<max16>(v); 
 inline __m512 widen_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// 16 float32 values rounded to bfloat16 as torch rounds them (to nearest even; NaN to 0x7FC0),
+// each in the low half of its 32-bit lane (AVX512F: CPUs without AVX512-BF16).
+inline __m512i round_bf16_lanes(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+}
+
+// The same, packed into 16 consecutive bfloat16 values.
+inline __m256i round_bf16(__m512 v) { return _mm512_cvtepi32_epi16(round_bf16_lanes(v)); }
+
+// out[c] = column c of the 16 x 16 matrix of 32-bit words whose rows are r[0..15].
+inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
+  __m512i t[16], u[16], v[4][4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0 b0 a1 b1], [a2 b2 a3 b3]
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], lane L: column 4L + k of rows 4i .. 4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    v[k][0] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);       // columns k, 8+k of rows 0-7
+    v[k][1] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);       // columns 4+k, 12+k
+    v[k][2] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);  // the same of rows 8-15
+    v[k][3] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    out[k] = _mm512_shuffle_i32x4(v[k][0], v[k][2], 0x88);
+    out[8 + k] = _mm512_shuffle_i32x4(v[k][0], v[k][2], 0xDD);
+    out[4 + k] = _mm512_shuffle_i32x4(v[k][1], v[k][3], 0x88);
+    out[12 + k] = _mm512_shuffle_i32x4(v[k][1], v[k][3], 0xDD);
+  }
 }
 
 // 16 float32 values rounded to bfloat16 (to nearest even) and stored.

@@ -12,6 +12,7 @@
 // the probability is NaN where the maximum is NaN or infinite (as exp(max - logsumexp)).
 
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 

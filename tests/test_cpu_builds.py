@@ -1,0 +1,41 @@
+"""Every instruction set's kernel library compiles, on whatever x86 CPU the tests run on.
+
+A machine builds and tests only the sets its CPU runs (tests/test_cpu_ops.py), so a set for
+another CPU kind can break unseen: stop 41's top1.cpp compiled against AVX2's ATen headers but
+not AVX512's, which left every AVX512 CPU without kernels. Compiling needs no such CPU."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from torch.utils import cpp_extension
+
+from agentflash.kernels import cpu_ops
+
+_COMPILER = shutil.which("c++")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or _COMPILER is None,
+                    reason="needs an x86 CPU and a C++ compiler")
+@pytest.mark.parametrize("isa", [candidate.name for candidate in cpu_ops.ISAS])
+def test_every_instruction_set_compiles(isa):
+    chosen = next(candidate for candidate in cpu_ops.ISAS if candidate.name == isa)
+    if cpu_ops.available() and cpu_ops.isa() == chosen:
+        pytest.skip("this build is the one loaded here (tests/test_cpu_ops.py runs it)")
+    sources = cpu_ops.source_paths(chosen)
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{sources[0].parent}"]
+
+    def check(source):
+        run = subprocess.run([_COMPILER, "-std=c++20", "-fsyntax-only", *chosen.flags, *includes,
+                              str(source)], capture_output=True, text=True, timeout=600)
+        return source.name, run.returncode, run.stderr[-3000:]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failed = [result for result in pool.map(check, sources) if result[1] != 0]
+    assert not failed, failed
