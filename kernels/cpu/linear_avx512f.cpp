@@ -15,13 +15,13 @@
 // in two independent FMA chains (one chain's 4-cycle latency would hold a thread below the
 // cache's speed). x's rows are widened once per call into a float32 scratch. More rows (a
 // verify block) go in tiles of 4 x rows by 3 W rows: 24 accumulators, 3 W halves and an x
-// vector in the 32 registers; each W half serves 4 x rows, each x vector 3 W rows. 5 rows (the
-// drafter's usual head rows) go in one tile of 5 by 2: 0.87-0.92x the time of 4 + 1 rows by 3
-// (measured; 6 rows by 2 spilled: 1.5x, and 3 by 4 twice matched 4 + 2 by 3). Measured on
+// vector in the 32 registers; each W half serves 4 x rows, each x vector 3 W rows. Measured on
 // a 2-core Xeon without AVX512-BF16 (the 11m step's 25 linears, their 22 MB cycling through
 // L3; medians, alternated with the AVX2 build in one process): 1 row 597 us against AVX2's
 // 741, 4 rows 694 against 1050, 8 rows 1117 against 1858, 16 rows 2219 against 3604. One
-// chain with 8-row tiles was within 5% either way.
+// chain with 8-row tiles was within 5% either way. 5 rows (the drafter's usual head rows) go
+// in one tile of 5 by 2 W rows: 0.87-0.92x the time of 4 + 1 rows by 3. For 6 rows, 6 by 2
+// took 1.5x the time of 4 + 2 by 3, and 3 by 4 twice matched it.
 
 #include <immintrin.h>
 
