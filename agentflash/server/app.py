@@ -233,7 +233,7 @@ async def _merge(sources: list[Callable[[], AsyncGenerator[Any, None]]]) -> Asyn
         async for event in sources[0]():
             yield 0, event
         return
-    queue: asyncio.Queue[tuple[int, Any] | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Any] | Exception | None] = asyncio.Queue()
 
     async def pump(index: int, source: Callable[[], AsyncGenerator[Any, None]]) -> None:
         events = source()
@@ -254,7 +254,7 @@ async def _merge(sources: list[Callable[[], AsyncGenerator[Any, None]]]) -> Asyn
             item = await queue.get()
             if item is None:
                 running -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield item

@@ -1,5 +1,5 @@
-// The AVX2 (+FMA) implementation of attention.cpp's `attend_all` (kernels.h), for CPUs without
-// native bfloat16 arithmetic: keys, values and queries are widened to float32 in registers.
+// The AVX2 (+FMA) implementation of attention.cpp's `attend_all` (kernels.h), for CPUs with
+// AVX2 but not AVX512: keys, values and queries are widened to float32 in registers.
 //
 // The work: a run's keys go in segments of kSegment keys at fixed positions (0-127, 128-255, ..).
 // A thread takes a run's segment with all its KV heads, and before computing a chunk of keys

@@ -202,10 +202,8 @@ void attend(const KvSource& src, const QueryRun& run) {
 namespace agentflash_cpu {
 
 void attend_all(const AttentionCall& call) {
-  with_head_dim(call.D, [&](auto dim) {
-    attend_per_kv_head(call, [](const KvSource& src, const QueryRun& run) {
-      attend<decltype(dim)::value>(src, run);
-    });
+  attend_per_kv_head(call, [](auto dim, const KvSource& src, const QueryRun& run) {
+    attend<decltype(dim)::value>(src, run);
   });
 }
 

@@ -58,9 +58,8 @@ inline void pack_keys(const uint16_t* const* kr, int n, __m512* kt) {
     agentflash_cpu::transpose16(rows, pairs);  // pairs[w] lane j: key j's elements 2w, 2w + 1
 #pragma GCC unroll 16
     for (int w = 0; w < 16; ++w) {
-      kt[32 * c + 2 * w] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs[w], 16));
-      kt[32 * c + 2 * w + 1] =
-          _mm512_castsi512_ps(_mm512_and_si512(pairs[w], _mm512_set1_epi32(-65536)));
+      kt[32 * c + 2 * w] = agentflash_cpu::widen_even(pairs[w]);
+      kt[32 * c + 2 * w + 1] = agentflash_cpu::widen_odd(pairs[w]);
     }
   }
 }
@@ -142,8 +141,8 @@ __attribute__((always_inline)) inline void update_group(Rows& st, const int64_t*
 #pragma GCC unroll 2
       for (int u = 0; u < kOut; u += 2) {
         const __m512i raw = _mm512_loadu_si512(vr[j] + 16 * (u0 + u));
-        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(-65536)));
+        const __m512 even = agentflash_cpu::widen_even(raw);
+        const __m512 odd = agentflash_cpu::widen_odd(raw);
 #pragma GCC unroll 6
         for (int r = 0; r < NR; ++r) {
           const __m512 p = _mm512_set1_ps(w[r][j]);
@@ -215,13 +214,10 @@ void attend(const KvSource& src, const QueryRun& run) {
       const __m512 total = _mm512_set1_ps(st.sum[r]);
       const float* o = st.out.data() + r * D;
       uint16_t* dst = run.out + (t * run.Hq + g * G + h) * D;
-      for (int c = 0; c < D / 32; ++c) {
-        const __m512i even =
-            agentflash_cpu::round_bf16_lanes(_mm512_div_ps(_mm512_loadu_ps(o + 32 * c), total));
-        const __m512i odd = agentflash_cpu::round_bf16_lanes(
-            _mm512_div_ps(_mm512_loadu_ps(o + 32 * c + 16), total));
-        _mm512_storeu_si512(dst + 32 * c, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
-      }
+      for (int c = 0; c < D / 32; ++c)
+        agentflash_cpu::store_bf16_32(dst + 32 * c,
+                                      _mm512_div_ps(_mm512_loadu_ps(o + 32 * c), total),
+                                      _mm512_div_ps(_mm512_loadu_ps(o + 32 * c + 16), total));
     }
 }
 
@@ -230,10 +226,8 @@ void attend(const KvSource& src, const QueryRun& run) {
 namespace agentflash_cpu {
 
 void attend_all(const AttentionCall& call) {
-  with_head_dim(call.D, [&](auto dim) {
-    attend_per_kv_head(call, [](const KvSource& src, const QueryRun& run) {
-      attend<decltype(dim)::value>(src, run);
-    });
+  attend_per_kv_head(call, [](auto dim, const KvSource& src, const QueryRun& run) {
+    attend<decltype(dim)::value>(src, run);
   });
 }
 

@@ -111,21 +111,6 @@ struct AttentionCall {
 // Every output of the call (this instruction set's kernels and split of the work over threads).
 void attend_all(const AttentionCall& call);
 
-// attend_all for kernels that take one (run, KV head) at a time: one task each, split over
-// threads; attend(source, run) computes its outputs (the run's queries and their G heads share
-// each block of keys).
-template <typename F>
-inline void attend_per_kv_head(const AttentionCall& call, F&& attend) {
-  const int64_t Hkv = call.Hkv;
-  at::parallel_for(0, static_cast<int64_t>(call.runs->size()) * Hkv, 1,
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t item = begin; item < end; ++item) {
-                       const size_t i = static_cast<size_t>(item / Hkv);
-                       attend(call.source(i, item % Hkv), call.run(i, item % Hkv));
-                     }
-                   });
-}
-
 constexpr int64_t kMaxHeadDim = 256;
 
 // f(std::integral_constant<int, D>) for head_dim D (a multiple of 32 up to kMaxHeadDim): what
@@ -142,6 +127,23 @@ inline void with_head_dim(int64_t head_dim, F&& f) {
     case 224: return f(std::integral_constant<int, 224>{});
     default: return f(std::integral_constant<int, 256>{});
   }
+}
+
+// attend_all for kernels that take one (run, KV head) at a time: one task each, split over
+// threads; attend(std::integral_constant<int, D>, source, run) computes its outputs (the run's
+// queries and their G heads share each block of keys).
+template <typename F>
+inline void attend_per_kv_head(const AttentionCall& call, F&& attend) {
+  const int64_t Hkv = call.Hkv;
+  with_head_dim(call.D, [&](auto dim) {
+    at::parallel_for(0, static_cast<int64_t>(call.runs->size()) * Hkv, 1,
+                     [&](int64_t begin, int64_t end) {
+                       for (int64_t item = begin; item < end; ++item) {
+                         const size_t i = static_cast<size_t>(item / Hkv);
+                         attend(dim, call.source(i, item % Hkv), call.run(i, item % Hkv));
+                       }
+                     });
+  });
 }
 
 // The keys k0 .. k0 + n - 1 of `src` at KV head g: their K and V rows (one division per call).

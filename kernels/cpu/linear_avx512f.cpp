@@ -59,8 +59,7 @@ struct Bf16Weights {
   }
   template <int Half>
   static __m512 widen(__m512i raw) {
-    return _mm512_castsi512_ps(Half == 0 ? _mm512_slli_epi32(raw, 16)
-                                         : _mm512_and_si512(raw, _mm512_set1_epi32(-65536)));
+    return Half == 0 ? agentflash_cpu::widen_even(raw) : agentflash_cpu::widen_odd(raw);
   }
   static void activations(const uint16_t* p, float* out) {  // the same split for x
     const __m512i raw = _mm512_loadu_si512(p);

@@ -44,6 +44,13 @@ inline __m512 widen_bf16(const uint16_t* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// 32 bfloat16 values (one 64-byte load) as two float32 vectors, exactly (a bfloat16 is the high
+// half of its float32): the even elements 0, 2, .., 30 shifted up, the odd ones masked in place.
+inline __m512 widen_even(__m512i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)); }
+inline __m512 widen_odd(__m512i raw) {
+  return _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(-65536)));
+}
+
 // 16 float32 values rounded to bfloat16 as torch rounds them (to nearest even; NaN to 0x7FC0),
 // each in the low half of its 32-bit lane (AVX512F: CPUs without AVX512-BF16).
 inline __m512i round_bf16_lanes(__m512 v) {
@@ -57,6 +64,13 @@ inline __m512i round_bf16_lanes(__m512 v) {
 
 // The same, packed into 16 consecutive bfloat16 values.
 inline __m256i round_bf16(__m512 v) { return _mm512_cvtepi32_epi16(round_bf16_lanes(v)); }
+
+// 32 values given as `even` / `odd` (as widen_even / widen_odd split them), rounded and stored
+// in order.
+inline void store_bf16_32(uint16_t* p, __m512 even, __m512 odd) {
+  _mm512_storeu_si512(p, _mm512_or_si512(round_bf16_lanes(even),
+                                         _mm512_slli_epi32(round_bf16_lanes(odd), 16)));
+}
 
 // out[c] = column c of the 16 x 16 matrix of 32-bit words whose rows are r[0..15].
 inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
