@@ -11,17 +11,17 @@
 // times the row's scale (int8), plus the bias and a residual, rounded once to bfloat16. The same
 // sequence for every output whatever M, the tile it is computed in or the thread.
 //
-// How it is fast: a decode row reads W's rows one after another, front to back (one stream),
-// in two independent FMA chains (one chain's 4-cycle latency would hold a thread below the
-// cache's speed). x's rows are widened once per call into a float32 scratch. More rows (a
-// verify block) go in tiles of 4 x rows by 3 W rows: 24 accumulators, 3 W halves and an x
-// vector in the 32 registers; each W half serves 4 x rows, each x vector 3 W rows. Measured on
-// a 2-core Xeon without AVX512-BF16 (the 11m step's 25 linears, their 22 MB cycling through
-// L3; medians, alternated with the AVX2 build in one process): 1 row 597 us against AVX2's
-// 741, 4 rows 694 against 1050, 8 rows 1117 against 1858, 16 rows 2219 against 3604. One
-// chain with 8-row tiles was within 5% either way. 5 rows (the drafter's usual head rows) go
-// in one tile of 5 by 2 W rows: 0.87-0.92x the time of 4 + 1 rows by 3. For 6 rows, 6 by 2
-// took 1.5x the time of 4 + 2 by 3, and 3 by 4 twice matched it.
+// How it is fast: x's rows are widened once per call into a float32 scratch. Then tiles of
+// MB x rows by NB W rows: per chunk each W row is loaded once and widened a half at a time, each
+// half serving MB FMAs, each x half NB; 2 * MB * NB accumulators (two chains per output: one
+// chain's 4-cycle latency would hold a thread below the cache's speed). The tile for each row
+// count is in `rows_by_weights`, measured on a 2-core Xeon without AVX512-BF16 (the 11m step's 25
+// linears, their 22 MB cycling through L3; medians, alternated in one process with the previous
+// tiles: a 1-row decode read W one row at a time, 2-4 and 7+ rows went in tiles of 4 x 3 and a
+// remainder, and GCC's `unroll 4` left 5-row tiles' accumulators on the stack): 1 row 531 us
+// against 629 (a 0.6B-shaped step's 197 linears: 37.2 against 48.4 ms), 2 rows 545 against 626,
+// 3 597 / 640, 4 673 / 715, 5 771 / 798, 6 825 / 957, 7 960 / 1048. From 8 rows tiles of 4 x 3
+// (8 rows 1134 us, 16 rows 2195); neither 4 x 4 nor deeper prefetching beat them at 8.
 
 #include <immintrin.h>
 
@@ -38,8 +38,6 @@ namespace {
 using agentflash_cpu::LinearArgs;
 
 constexpr int kGroup = 16;         // W rows whose outputs are reduced together (lane_sums)
-constexpr int kRows = 4;           // a tile: up to 4 rows of x ..
-constexpr int kCols = 3;           // .. by up to 3 rows of W
 constexpr int64_t kRowChunk = 32;  // x rows per pass over a thread's rows of W
 
 // Floats between widened rows of x: their chunks plus one cache line, so that rows are never a
@@ -117,21 +115,21 @@ void tile(const float* xs, int64_t stride, int64_t K, const typename F::T* w, in
   __m512 acc[2][MB][NB];  // one chain per half of a chunk
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) acc[h][i][j] = _mm512_setzero_ps();
   auto step = [&](int64_t c, const __m512i (&raw)[NB]) __attribute__((always_inline)) {
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       __m512 v[NB];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int j = 0; j < NB; ++j)
         v[j] = half == 0 ? F::template widen<0>(raw[j]) : F::template widen<1>(raw[j]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < MB; ++i) {
         const __m512 x = _mm512_load_ps(xs + i * stride + c * 32 + 16 * half);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int j = 0; j < NB; ++j) acc[half][i][j] = _mm512_fmadd_ps(x, v[j], acc[half][i][j]);
       }
     }
@@ -139,7 +137,7 @@ void tile(const float* xs, int64_t stride, int64_t K, const typename F::T* w, in
   const int64_t full = K / 32;
   for (int64_t c = 0; c < full; ++c) {
     __m512i raw[NB];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) {
       raw[j] = F::load(w + j * ldw + 32 * c);
       if (next != nullptr)  // the next tile's W rows, fetched while this one computes
@@ -149,13 +147,13 @@ void tile(const float* xs, int64_t stride, int64_t K, const typename F::T* w, in
   }
   if (full * 32 < K) {  // the last chunk, zero-padded
     __m512i raw[NB];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) raw[j] = F::load_tail(w + j * ldw + 32 * full, K - 32 * full);
     step(full, raw);
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int i = 0; i < MB; ++i)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) out[i * kGroup + j] = _mm512_add_ps(acc[0][i][j], acc[1][i][j]);
 }
 
@@ -167,16 +165,17 @@ void tile_rows(int64_t rows, const float* xs, int64_t stride, int64_t K, const t
     case 1: return tile<F, 1, NB>(xs, stride, K, w, ldw, next, out);
     case 2: return tile<F, 2, NB>(xs, stride, K, w, ldw, next, out);
     case 3: return tile<F, 3, NB>(xs, stride, K, w, ldw, next, out);
-    case 4: return tile<F, 4, NB>(xs, stride, K, w, ldw, next, out);
     default: return tile<F, MR, NB>(xs, stride, K, w, ldw, next, out);
   }
 }
 
-// Tiles of up to MR x rows by NC (2 or 3) W rows over W's rows w .. w + width - 1: each group of
-// NC W rows is read once, by the first row tile, for all of them.
+// Tiles of up to MR x rows by NC (<= 4) W rows over W's rows w .. w + width - 1: each group of
+// NC W rows is read once, by the first row tile, for all of them (the last group may be
+// narrower).
 template <class F, int MR, int NC>
 void tiles(const float* xs, int64_t stride, int64_t K, int64_t rows, const typename F::T* w,
            int64_t ldw, int width, const typename F::T* after, __m512* acc) {
+  static_assert(NC >= 1 && NC <= 4);
   for (int j = 0; j < width; j += NC) {
     const int cols = std::min(NC, width - j);
     const typename F::T* wj = w + j * ldw;
@@ -188,34 +187,34 @@ void tiles(const float* xs, int64_t stride, int64_t K, int64_t rows, const typen
       const typename F::T* fetch = i == 0 ? next : nullptr;
       const float* x = xs + i * stride;
       __m512* out = acc + i * kGroup + j;
-      if constexpr (NC == 3) {
-        if (cols == 3) {
-          tile_rows<F, MR, 3>(r, x, stride, K, wj, ldw, fetch, out);
-          continue;
-        }
+      switch (cols) {
+        case 4: if constexpr (NC >= 4) { tile_rows<F, MR, 4>(r, x, stride, K, wj, ldw, fetch, out); break; } [[fallthrough]];
+        case 3: if constexpr (NC >= 3) { tile_rows<F, MR, 3>(r, x, stride, K, wj, ldw, fetch, out); break; } [[fallthrough]];
+        case 2: if constexpr (NC >= 2) { tile_rows<F, MR, 2>(r, x, stride, K, wj, ldw, fetch, out); break; } [[fallthrough]];
+        default: tile_rows<F, MR, 1>(r, x, stride, K, wj, ldw, fetch, out);
       }
-      if (cols == 2) tile_rows<F, MR, 2>(r, x, stride, K, wj, ldw, fetch, out);
-      else tile_rows<F, MR, 1>(r, x, stride, K, wj, ldw, fetch, out);
     }
   }
 }
 
 // The partial sums of every row of the pass (x widened in xs) with W's rows w .. w + width - 1
-// into acc[i * kGroup + j]. One row of x (a decode step) reads W one row at a time, front to
-// back; 5 rows go in one tile by 2 W rows (20 accumulators: 4 + 1 rows by 3 widened W twice,
-// the second time for one row); others in tiles of kRows x rows by kCols W rows.
+// into acc[i * kGroup + j], in the tiles measured fastest for that many rows (the header): x
+// rows by W rows, at most 28 accumulators and the widened W halves in the 32 registers.
 template <class F>
 void rows_by_weights(const float* xs, int64_t chunks, int64_t K, int64_t rows,
                      const typename F::T* w, int64_t ldw, int width, const typename F::T* after,
                      __m512* acc) {
   const int64_t stride = row_stride(chunks);
-  if (rows == 1) {
-    for (int j = 0; j < width; ++j)
-      tile<F, 1, 1>(xs, stride, K, w + j * ldw, ldw, nullptr, acc + j);
-    return;
+  switch (rows) {
+    case 1: return tiles<F, 1, 4>(xs, stride, K, rows, w, ldw, width, after, acc);
+    case 2: return tiles<F, 2, 4>(xs, stride, K, rows, w, ldw, width, after, acc);
+    case 3: return tiles<F, 3, 4>(xs, stride, K, rows, w, ldw, width, after, acc);
+    case 4: return tiles<F, 4, 4>(xs, stride, K, rows, w, ldw, width, after, acc);
+    case 5: return tiles<F, 5, 2>(xs, stride, K, rows, w, ldw, width, after, acc);
+    case 6: return tiles<F, 6, 2>(xs, stride, K, rows, w, ldw, width, after, acc);
+    case 7: return tiles<F, 7, 2>(xs, stride, K, rows, w, ldw, width, after, acc);
+    default: return tiles<F, 4, 3>(xs, stride, K, rows, w, ldw, width, after, acc);
   }
-  if (rows == 5) return tiles<F, 5, 2>(xs, stride, K, rows, w, ldw, width, after, acc);
-  tiles<F, kRows, kCols>(xs, stride, K, rows, w, ldw, width, after, acc);
 }
 
 // y[m, n0 : n0 + width] from its 16-lane partial sums `part` (width <= 16; unused slots zero).
