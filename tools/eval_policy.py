@@ -2,6 +2,7 @@
 machine's noise moves.
 
     python tools/eval_policy.py [--prompts bench|test] [--quantize int8] [--costs F] [--eos]
+                                [--decide-with G]
 
 Greedy acceptance is deterministic: at every anchor the drafter's block, and so how many of its
 drafts the target accepts, depends only on the prompt and the tokens before it. With one fixed
@@ -22,6 +23,8 @@ tools/bench_peers.py's and tools/eval_drafter.py's.
 --prompts bench: tools/bench_peers.py's held-out agent prompts (--count of them, 500-3000
 tokens); test: tools/eval_drafter.py's sample of the test split (6 per length bucket).
 --eos: stop at eos (an agent's requests do), else 128 tokens past it, as bench_peers does.
+--decide-with G: the engine's policy decides with the costs in G, and is scored with --costs
+(say G as measured at load, --costs as the decode loop pays them).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_peers  # noqa: E402
-from agentflash.engine.config import StepCost  # noqa: E402
+from agentflash.engine.config import SpecConfig, StepCost  # noqa: E402
 from agentflash.engine.engine import Engine  # noqa: E402
 from agentflash.engine.sampler import SamplingParams  # noqa: E402
 from agentflash.engine.scheduler import BatchItem  # noqa: E402
@@ -60,8 +63,11 @@ def step_cost(d: dict) -> StepCost:
     return StepCost(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
-def replay(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> float:
-    """The engine's own policy: tokens per plain step of modeled cost."""
+def replay(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+           scored: SpecConfig | None = None) -> float:
+    """The engine's own policy: tokens per plain step of modeled cost (`scored`'s costs where
+    given, else those it decides with)."""
+    scored = scored or engine.spec
     rows: list[int] = []
     draft = engine.runner.draft
 
@@ -80,7 +86,7 @@ def replay(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> 
                 rows.clear()
                 for u in engine.step():
                     if u.seq_id == seq_id and u.new_token_ids and not prefilling:
-                        c = engine.spec.cost_at(1, context)
+                        c = scored.cost_at(1, context)
                         cost += (c.draft[rows[0]] if rows else 0.0) + c.verify[u.draft_tokens]
                         tokens += len(u.new_token_ids)
     finally:
@@ -146,6 +152,7 @@ def main() -> None:
     ap.add_argument("--quantize", choices=["int8"], default=None)
     ap.add_argument("--eos", action="store_true")
     ap.add_argument("--costs", type=Path, help="step costs JSON (written here if missing)")
+    ap.add_argument("--decide-with", type=Path, help="step costs JSON the policy decides with")
     ap.add_argument("--cache", type=Path, default=Path("~/.cache/agentflash-peers").expanduser())
     args = ap.parse_args()
 
@@ -173,7 +180,14 @@ def main() -> None:
         stop = "stopping at eos" if args.eos else "128 tokens past eos"
         print(f"{len(prompts)} {args.prompts} prompts, {stop}, {args.quantize or 'bf16'}; "
               "tokens per plain step of modeled cost:")
-        print(f"  auto (this engine's policy): {replay(engine, prompts, params):.3f}")
+        scored = None
+        if args.decide_with is not None:
+            decide = json.loads(args.decide_with.read_text())
+            scored = engine.spec
+            engine.spec = dataclasses.replace(engine.spec, cost=step_cost(decide["cost"]),
+                                              long_cost=step_cost(decide["long"]))
+        print(f"  auto (this engine's policy): {replay(engine, prompts, params, scored):.3f}")
+        engine.spec = scored or engine.spec
         runs = [(len(p), *anchors(engine, p, params)) for p in prompts]
         for name, value in hindsight(engine, runs).items():
             print(f"  {name}: {value:.3f}")
