@@ -187,10 +187,25 @@ void tiles(const float* xs, int64_t stride, int64_t K, int64_t rows, const typen
       const typename F::T* fetch = i == 0 ? next : nullptr;
       const float* x = xs + i * stride;
       __m512* out = acc + i * kGroup + j;
-      switch (cols) {
-        case 4: if constexpr (NC >= 4) { tile_rows<F, MR, 4>(r, x, stride, K, wj, ldw, fetch, out); break; } [[fallthrough]];
-        case 3: if constexpr (NC >= 3) { tile_rows<F, MR, 3>(r, x, stride, K, wj, ldw, fetch, out); break; } [[fallthrough]];
-        case 2: if constexpr (NC >= 2) { tile_rows<F, MR, 2>(r, x, stride, K, wj, ldw, fetch, out); break; } [[fallthrough]];
+      switch (cols) {  // NC, or fewer in the last group
+        case 4:
+          if constexpr (NC >= 4) {
+            tile_rows<F, MR, 4>(r, x, stride, K, wj, ldw, fetch, out);
+            break;
+          }
+          [[fallthrough]];
+        case 3:
+          if constexpr (NC >= 3) {
+            tile_rows<F, MR, 3>(r, x, stride, K, wj, ldw, fetch, out);
+            break;
+          }
+          [[fallthrough]];
+        case 2:
+          if constexpr (NC >= 2) {
+            tile_rows<F, MR, 2>(r, x, stride, K, wj, ldw, fetch, out);
+            break;
+          }
+          [[fallthrough]];
         default: tile_rows<F, MR, 1>(r, x, stride, K, wj, ldw, fetch, out);
       }
     }
