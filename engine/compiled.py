@@ -216,7 +216,8 @@ def cache_key(model: CausalLM, drafter: DFlashDraftModel | None = None, *extra) 
     """A digest of everything a compiled program depends on."""
     h = hashlib.blake2b(digest_size=16)
     for part in (torch.__version__, torch.backends.cpu.get_cpu_capability(),
-                 torch.get_num_threads(), INDUCTOR_OPTIONS, repr(model.config), extra,
+                 torch.get_num_threads(), INDUCTOR_OPTIONS,
+                 sorted(cpu_ops.aoti_shims().items(), key=str), repr(model.config), extra,
                  None if drafter is None else repr(drafter.config)):
         h.update(repr(part).encode())
     h.update(_source_digest())
@@ -332,7 +333,9 @@ def _compile(make: Callable[[], tuple], path: Path) -> None:
         _fold_residual_adds(program)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
-        with torch._inductor.config.patch(INDUCTOR_OPTIONS):
+        # the program calls the CPU kernels' C shims where they are loaded (cpu_ops.aoti_shims)
+        shims = {"aot_inductor.custom_ops_to_c_shims": cpu_ops.aoti_shims()}
+        with torch._inductor.config.patch({**INDUCTOR_OPTIONS, **shims}):
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
     os.replace(partial, path)  # atomic: a concurrent engine sees a whole package or none
 

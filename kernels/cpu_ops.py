@@ -32,6 +32,7 @@ one node and AOTInductor calls it from a compiled program (engine.compiled).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -47,8 +48,8 @@ log = logging.getLogger(__name__)
 _loaded = False  # load() succeeded in this process
 
 _DIR = Path(__file__).with_name("cpu")
-COMMON = ("linear.cpp", "attention.cpp", "top1.cpp")
-HEADERS = ("kernels.h", "simd_avx512.h", "simd_avx2.h", "linear_avx2.h")
+COMMON = ("linear.cpp", "attention.cpp", "top1.cpp", "shims.cpp")
+HEADERS = ("kernels.h", "ops.h", "simd_avx512.h", "simd_avx2.h", "linear_avx2.h")
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ def load() -> str | None:
                            extra_cflags=["-O3", "-fopenmp", *chosen.flags],
                            extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False)
+        # its symbols global: compiled programs call the ops' C shims (shims.cpp) by name
+        ctypes.CDLL(str(build / f"{name}.so"), mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except Exception as error:  # no compiler, no ninja, a failed build
         return f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[-1][:300]}"
     _register_fakes()
@@ -184,6 +187,28 @@ def loaded() -> bool:
     """Whether the ops are loaded in this process already (never builds them: for callers that
     are faster with them but must not pay a first build, `available()`, for them)."""
     return _loaded
+
+
+def aoti_shims() -> dict[torch._ops.OpOverload, list[str]]:
+    """The ops' C shims (shims.cpp) as AOTInductor's `aot_inductor.custom_ops_to_c_shims`
+    declares them: a compiled program calls these functions directly, not through its proxy
+    executor. Empty unless the library is loaded here."""
+    if not _loaded:
+        return {}
+    ops = torch.ops.agentflash
+    h, opt = "AtenTensorHandle", "AtenTensorHandle*"
+    return {
+        ops.linear_bf16.default: [
+            f"AOTITorchError aoti_torch_cpu_linear_bf16({h} x, {h} weight, {opt} bias, "
+            f"{opt} residual, {opt} ret0)"],
+        ops.linear_int8.default: [
+            f"AOTITorchError aoti_torch_cpu_linear_int8({h} x, {h} qweight, {h} scale, "
+            f"{opt} bias, {opt} residual, {opt} ret0)"],
+        ops.paged_attention_bf16.default: [
+            f"AOTITorchError aoti_torch_cpu_paged_attention_bf16({h} q, {h} k_cache, "
+            f"{h} v_cache, {h} page_table, int64_t page_size, {h} token_seq, {h} token_keys, "
+            f"double scale, {opt} k_new, {opt} v_new, {opt} cached, {opt} ret0)"],
+    }
 
 
 def attends(head_dim: int) -> bool:

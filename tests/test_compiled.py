@@ -203,6 +203,23 @@ def test_the_program_is_cached_on_disk(model):
     assert cache_key(model, None, 16) != cache_key(model, None, 8)
 
 
+@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+def test_the_programs_call_the_kernels_through_their_c_shims(model):
+    """A program calls the CPU kernels as C functions (kernels/cpu/shims.cpp), not through
+    AOTInductor's proxy executor, which boxes every argument on every call."""
+    import zipfile
+
+    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+    for program in (CompiledForward.build(model, drafter, page_size=PAGE).program,
+                    CompiledDraft.build(model, drafter, 16, page_size=PAGE).program):
+        with zipfile.ZipFile(program.path) as package:
+            wrapper = "".join(package.read(name).decode() for name in package.namelist()
+                              if name.endswith("wrapper.cpp"))
+        assert "aoti_torch_cpu_paged_attention_bf16(" in wrapper
+        assert "aoti_torch_cpu_linear_" in wrapper
+        assert "proxy_executor_call_function(" not in wrapper
+
+
 def test_a_failed_compile_runs_eager_with_a_warning(monkeypatch, tmp_path, caplog):
     def no_compiler(*args, **kwargs):  # as where no C++ compiler is installed
         raise RuntimeError("Failed to find C++ compiler. Please specify via CXX environment "

@@ -24,8 +24,9 @@
 #include <vector>
 
 #include "kernels.h"
+#include "ops.h"
 
-namespace {
+namespace agentflash_cpu {
 
 at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& page_table,
@@ -40,7 +41,7 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                   v_cache.scalar_type() == at::kBFloat16,
               "paged_attention_bf16: bfloat16 q and caches");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && D % 32 == 0 && D <= agentflash_cpu::kMaxHeadDim,
+  TORCH_CHECK(k_cache.size(2) == D && D % 32 == 0 && D <= kMaxHeadDim,
               "paged_attention_bf16: head_dim a multiple of 32 up to 256, got ", D);
   TORCH_CHECK(Hq % Hkv == 0, "paged_attention_bf16: query heads a multiple of KV heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -108,15 +109,14 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
   const auto bf16 = [](const at::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr());
   };
-  agentflash_cpu::attend_all({bf16(qc), bf16(k_cache), bf16(v_cache), table, P, page_size, seq,
-                              keys, Hq, Hkv, D, static_cast<float>(scale),
-                              with_new ? bf16(kn_c) : nullptr, with_new ? bf16(vn_c) : nullptr,
-                              pooled, new_rows, reinterpret_cast<uint16_t*>(out.data_ptr()),
-                              &runs});
+  attend_all({bf16(qc), bf16(k_cache), bf16(v_cache), table, P, page_size, seq, keys, Hq, Hkv,
+              D, static_cast<float>(scale), with_new ? bf16(kn_c) : nullptr,
+              with_new ? bf16(vn_c) : nullptr, pooled, new_rows,
+              reinterpret_cast<uint16_t*>(out.data_ptr()), &runs});
   return out;
 }
 
-}  // namespace
+}  // namespace agentflash_cpu
 
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
   m.def(
@@ -126,5 +126,5 @@ TORCH_LIBRARY_FRAGMENT(agentflash, m) {
 }
 
 TORCH_LIBRARY_IMPL(agentflash, CPU, m) {
-  m.impl("paged_attention_bf16", &paged_attention_bf16);
+  m.impl("paged_attention_bf16", &agentflash_cpu::paged_attention_bf16);
 }

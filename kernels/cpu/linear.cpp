@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "ops.h"
 
 namespace {
 
@@ -71,6 +72,10 @@ at::Tensor checked_x(const char* op, const at::Tensor& x, const at::Tensor& weig
   return x.stride(1) == 1 ? x : x.contiguous();
 }
 
+}  // namespace
+
+namespace agentflash_cpu {
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
@@ -80,7 +85,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   agentflash_cpu::LinearArgs a{};
   a.w = reinterpret_cast<const uint16_t*>(wc.data_ptr());
   a.ldw = wc.stride(0);
-  return run("linear_bf16", xc, wc.size(0), bias, residual, a, agentflash_cpu::linear_columns);
+  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
@@ -97,11 +102,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   a.qw = wc.data_ptr<int8_t>();
   a.ldw = wc.stride(0);
   a.scale = sc.data_ptr<float>();
-  return run("linear_int8", xc, wc.size(0), bias, residual, a,
-             agentflash_cpu::linear_int8_columns);
+  return run("linear_int8", xc, wc.size(0), bias, residual, a, linear_int8_columns);
 }
 
-}  // namespace
+}  // namespace agentflash_cpu
 
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
@@ -110,6 +114,6 @@ TORCH_LIBRARY_FRAGMENT(agentflash, m) {
 }
 
 TORCH_LIBRARY_IMPL(agentflash, CPU, m) {
-  m.impl("linear_bf16", &linear_bf16);
-  m.impl("linear_int8", &linear_int8);
+  m.impl("linear_bf16", &agentflash_cpu::linear_bf16);
+  m.impl("linear_int8", &agentflash_cpu::linear_int8);
 }
