@@ -64,10 +64,9 @@ def step_cost(d: dict) -> StepCost:
 
 
 def replay(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-           scored: SpecConfig | None = None) -> float:
-    """The engine's own policy: tokens per plain step of modeled cost (`scored`'s costs where
-    given, else those it decides with)."""
-    scored = scored or engine.spec
+           scored: SpecConfig) -> float:
+    """The engine's own policy (deciding with engine.spec's costs): tokens per plain step of
+    modeled cost, by `scored`'s costs."""
     rows: list[int] = []
     draft = engine.runner.draft
 
@@ -180,14 +179,13 @@ def main() -> None:
         stop = "stopping at eos" if args.eos else "128 tokens past eos"
         print(f"{len(prompts)} {args.prompts} prompts, {stop}, {args.quantize or 'bf16'}; "
               "tokens per plain step of modeled cost:")
-        scored = None
+        scored = engine.spec
         if args.decide_with is not None:
             decide = json.loads(args.decide_with.read_text())
-            scored = engine.spec
-            engine.spec = dataclasses.replace(engine.spec, cost=step_cost(decide["cost"]),
+            engine.spec = dataclasses.replace(scored, cost=step_cost(decide["cost"]),
                                               long_cost=step_cost(decide["long"]))
         print(f"  auto (this engine's policy): {replay(engine, prompts, params, scored):.3f}")
-        engine.spec = scored or engine.spec
+        engine.spec = scored  # the fixed lengths and hindsight by the scoring costs
         runs = [(len(p), *anchors(engine, p, params)) for p in prompts]
         for name, value in hindsight(engine, runs).items():
             print(f"  {name}: {value:.3f}")

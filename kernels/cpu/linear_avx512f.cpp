@@ -157,7 +157,8 @@ void tile(const float* xs, int64_t stride, int64_t K, const typename F::T* w, in
     for (int j = 0; j < NB; ++j) out[i * kGroup + j] = _mm512_add_ps(acc[0][i][j], acc[1][i][j]);
 }
 
-// A tile of `rows` (1 .. MR) rows of x by NB rows of W.
+// A tile of `rows` rows of x by NB rows of W: MR, or a remainder of 1 .. 3 (only tiles of 4 rows
+// leave remainders; 5-7 rows take one tile of exactly that many).
 template <class F, int MR, int NB>
 void tile_rows(int64_t rows, const float* xs, int64_t stride, int64_t K, const typename F::T* w,
                int64_t ldw, const typename F::T* next, __m512* out) {
