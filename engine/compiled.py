@@ -43,7 +43,7 @@ from . import forward as forward_module
 from .attention import KernelAttention, KernelDraftAttention, PagedAttention, PagedDraftAttention
 from .forward import (DecodeForward, DraftForward, DraftStep, StepArgs, TargetStep,
                       draft_metadata, step_args)
-from .models import dflash, kernel_linear, layers, qwen3, rope
+from .models import dflash, kernel_linear, layers, quantized, qwen3, rope
 from .models.dflash import DFlashDraftModel
 from .models.qwen3 import CausalLM
 
@@ -55,7 +55,7 @@ rounds fused kernels' intermediates to bfloat16 as eager does, was measured to b
 of batched decode rows and verify blocks: tests/test_embedded.py failed with it.)"""
 
 _SOURCES = (reference, attention_module, forward_module, cpu_ops, dflash, kernel_linear, layers,
-            qwen3, rope, sys.modules[__name__])
+            quantized, qwen3, rope, sys.modules[__name__])
 """Modules whose code the compiled program is made of: their source is part of the cache key."""
 
 
@@ -218,7 +218,8 @@ def cache_key(model: CausalLM, drafter: DFlashDraftModel | None = None, *extra) 
     for part in (torch.__version__, torch.backends.cpu.get_cpu_capability(),
                  torch.get_num_threads(), INDUCTOR_OPTIONS,
                  sorted(cpu_ops.aoti_shims().items(), key=str), repr(model.config), extra,
-                 None if drafter is None else repr(drafter.config)):
+                 None if drafter is None else repr(drafter.config),
+                 repr(model), repr(drafter)):  # the modules (their kinds and flags)
         h.update(repr(part).encode())
     h.update(_source_digest())
     states = [model.state_dict()] + ([] if drafter is None else [drafter.state_dict()])

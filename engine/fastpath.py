@@ -122,15 +122,18 @@ def _int8_drafter(model: CausalLM, drafter: DFlashDraftModel | None, layers: boo
     assert drafter is not None
     quantize_drafter_int8(drafter)
     head = model.lm_head
-    if drafter.head is not None or isinstance(head, Int8Linear):
-        return  # an earlier engine's copy, or the int8 target's own head (shared)
+    if drafter.head is not None:
+        return  # an earlier engine's copy
+    if isinstance(head, Int8Linear):
+        drafter.head = head.dynamic_view()  # the int8 target's own (its buffers shared)
+        return
     if model.config.tie_word_embeddings or head is None:
         matrix = model.embed_tokens.weight, None
     elif isinstance(head, (nn.Linear, KernelLinear)):
         matrix = head.weight, head.bias
     else:
         return
-    drafter.head = Int8Linear(*matrix, kernel_rows=None)  # few rows: all through the kernel
+    drafter.head = Int8Linear(*matrix, kernel_rows=None, dynamic=True)  # few rows: the kernel
 
 
 def _kernel_head(model: CausalLM) -> None:

@@ -7,6 +7,10 @@
 - `linear_int8(x, qweight, scale, bias)`: the same for int8 weights with a float32 scale per
   output row (half the bytes of bfloat16): int8 turned into bfloat16 in registers (AVX512-BF16)
   or into float32 (AVX2).
+- `linear_int8_dynamic(x, qweight, scale, bias)`: int8 weights times x's rows quantized on the
+  fly to 16-bit integers, summed exactly in int32 (AVX512-VNNI's `vpdpwssd`, else `vpmaddwd`):
+  2-3x the float32 kernels' rate on the few rows of a drafter, whose numbers only decide what
+  it proposes.
 - `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
   each query over its sequence's keys in the paged pool, read in place through its page table
   (attention.cpp): no gathered copy of the context, no batched-matmul calls.
@@ -60,20 +64,24 @@ class Isa:
     cpu_flags: tuple[str, ...]   # what /proc/cpuinfo must list
     sources: tuple[str, ...]     # its implementation files (beside COMMON)
     flags: tuple[str, ...]       # compiler flags (CPU_CAPABILITY picks ATen's vector headers)
+    extras: tuple[tuple[str, str], ...] = ()  # (CPU flag, compiler flag): added where it has it
 
 
 ISAS = (  # in order of preference
     Isa("avx512-bf16", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"),
-        ("linear_avx512.cpp", "attention_avx512.cpp"),
+        ("linear_avx512.cpp", "linear_dynamic_avx512.cpp", "attention_avx512.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
-         "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")),
+         "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"),
+        (("avx512_vnni", "-mavx512vnni"),)),
     # AVX512 without native bf16 (Skylake-SP to Ice Lake)
     Isa("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
-        ("linear_avx512f.cpp", "attention_avx512f.cpp"),
+        ("linear_avx512f.cpp", "linear_dynamic_avx512.cpp", "attention_avx512f.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-         "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512")),
+         "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"),
+        (("avx512_vnni", "-mavx512vnni"),)),
     Isa("avx2", ("avx2", "fma"),
-        ("linear_avx2.cpp", "linear_int8_avx2.cpp", "attention_avx2.cpp"),
+        ("linear_avx2.cpp", "linear_int8_avx2.cpp", "linear_dynamic_avx2.cpp",
+         "attention_avx2.cpp"),
         ("-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")),
 )
 
@@ -81,6 +89,13 @@ ISAS = (  # in order of preference
 def source_paths(chosen: Isa) -> list[Path]:
     """The files one instruction set's library is compiled from (headers in their folder)."""
     return [_DIR / name for name in COMMON + chosen.sources]
+
+
+def build_flags(chosen: Isa) -> tuple[str, ...]:
+    """The compiler flags of one instruction set's library on this CPU: its own, and those of
+    its extras the CPU has."""
+    flags = _cpu_flags()
+    return chosen.flags + tuple(flag for cpu, flag in chosen.extras if cpu in flags)
 
 
 def cache_root() -> Path:
@@ -126,7 +141,7 @@ def source_digest() -> str:
     """The library's identity: its instruction set, sources and build flags (part of compiled
     programs' keys)."""
     chosen = isa()
-    h = hashlib.blake2b(repr(chosen).encode(), digest_size=8)
+    h = hashlib.blake2b(repr((chosen, chosen and build_flags(chosen))).encode(), digest_size=8)
     for name in COMMON + HEADERS + (chosen.sources if chosen else ()):
         h.update((_DIR / name).read_bytes())
     return h.hexdigest()
@@ -160,7 +175,7 @@ def load() -> str | None:
         build = cache_root() / "kernels" / name
         build.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name=name, sources=[str(path) for path in source_paths(chosen)],
-                           extra_cflags=["-O3", "-fopenmp", *chosen.flags],
+                           extra_cflags=["-O3", "-fopenmp", *build_flags(chosen)],
                            extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False)
         # its symbols global: compiled programs call the ops' C shims (shims.cpp) by name
@@ -204,6 +219,9 @@ def aoti_shims() -> dict[torch._ops.OpOverload, list[str]]:
         ops.linear_int8.default: [
             f"AOTITorchError aoti_torch_cpu_linear_int8({h} x, {h} qweight, {h} scale, "
             f"{opt} bias, {opt} residual, {opt} ret0)"],
+        ops.linear_int8_dynamic.default: [
+            f"AOTITorchError aoti_torch_cpu_linear_int8_dynamic({h} x, {h} qweight, {h} scale, "
+            f"{opt} bias, {opt} residual, {opt} ret0)"],
         ops.paged_attention_bf16.default: [
             f"AOTITorchError aoti_torch_cpu_paged_attention_bf16({h} q, {h} k_cache, "
             f"{h} v_cache, {h} page_table, int64_t page_size, {h} token_seq, {h} token_keys, "
@@ -233,6 +251,17 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     products summed in float32, scaled per output, rounded once."""
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     out = torch.ops.agentflash.linear_int8(flat, qweight, scale, bias)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
+
+
+def linear_int8_dynamic(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_int8` with each row of x [..., K] first quantized to 16-bit integers (round(x *
+    Q / max |x|), Q up to 32767 as K allows) and the products summed exactly in int32, then
+    scaled: close to linear_int8's numbers, not equal (for a drafter, whose numbers only choose
+    its proposals). Each row's output depends on that row alone."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    out = torch.ops.agentflash.linear_int8_dynamic(flat, qweight, scale, bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
 
 
@@ -270,6 +299,12 @@ def _register_fakes() -> None:
     def _linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], qweight.shape[0])
+
+    @torch.library.register_fake("agentflash::linear_int8_dynamic")
+    def _linear_int8_dynamic(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                             bias: torch.Tensor | None = None,
+                             residual: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], qweight.shape[0])
 
     @torch.library.register_fake("agentflash::paged_attention_bf16")

@@ -36,11 +36,11 @@ def _weights(fmt, n, k):
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) * 0.02 + 0.001
-    return ((lambda x, b, r=None: torch.ops.agentflash.linear_int8(x, q, scale, b, r)),
-            q.float() * scale[:, None])
+    op = torch.ops.agentflash.linear_int8 if fmt == "int8" else torch.ops.agentflash.linear_int8_dynamic
+    return (lambda x, b, r=None: op(x, q, scale, b, r)), q.float() * scale[:, None]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8-dynamic"])
 @pytest.mark.parametrize("n,k", [(384, 384), (2048, 384), (1024, 3072), (203, 200), (5, 37)])
 def test_linear_matches_float32_and_rows_are_independent(fmt, n, k):
     op, w = _weights(fmt, n, k)
@@ -61,6 +61,25 @@ def test_linear_matches_float32_and_rows_are_independent(fmt, n, k):
     assert torch.equal(op(x[5:21], b, r[5:21]), with_r[5:21])
     if fmt == "bf16":  # the Python wrapper takes leading dims
         assert torch.equal(op(x[None, :8], b)[0], y[:8])
+
+
+@pytest.mark.parametrize("n,k", [(384, 384), (1024, 3072), (203, 200), (5, 37)])
+def test_dynamic_int8_linear_is_its_integer_arithmetic_exactly(n, k):
+    """linear_int8_dynamic's numbers, bit for bit, in torch: each row of x quantized to Q
+    levels of its largest |x| (Q as large as int32 sums of K products allow), the products summed
+    exactly, times the weight row's scale and the row's step, rounded once to bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.02 + 0.001
+    x, bias = _bf16(9, k, seed=1) * 3, _bf16(n, seed=2)
+    x[4] = 0  # a row of zeros: all its products are 0
+    levels = torch.tensor(float(min(32767, 2147483647 // (128 * ((k + 31) // 32 * 32)))))
+    amax = x.float().abs().amax(1, keepdim=True)
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    sums = ((x.float() * inv).round().long() @ q.long().T).float()  # exact; < 2^31
+    want = (sums * scale * (amax / levels) + bias.float()).to(torch.bfloat16)
+    assert torch.equal(torch.ops.agentflash.linear_int8_dynamic(x, q, scale, bias), want)
+    assert torch.equal(cpu_ops.linear_int8_dynamic(x[None], q, scale, bias)[0], want)
 
 
 def test_linear_refuses_what_it_does_not_compute():

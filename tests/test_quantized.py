@@ -71,8 +71,11 @@ def test_quantized_engine_speculates_losslessly():
     spec = Engine(target, drafter=drafter, spec=SpecConfig(16))  # already quantized: kept
     assert [spec.generate([p], params)[0].output_ids for p in prompts] == want
     assert spec.counters.accepted_tokens > 0
-    # the drafter is int8 too (engine.fastpath's int8-drafter) and drafts with the target's head
-    assert isinstance(drafter.fc, Int8Linear) and drafter.head is None
+    # the drafter is int8 too (engine.fastpath's int8-drafter), its rows quantized to int16 in
+    # the kernel (dynamic), and drafts with the target's head: the same buffers, used that way
+    assert isinstance(drafter.fc, Int8Linear) and drafter.fc.dynamic
+    assert drafter.head.dynamic and drafter.head.qweight is target.lm_head.qweight
+    assert not target.lm_head.dynamic
 
 
 @needs_int8

@@ -14,7 +14,10 @@ call. The model's head gets an int8 copy of its matrix too (tied embeddings keep
 lookup): at Qwen3-0.6B's size it is a quarter of the weights.
 
 `quantize_drafter_int8` does the same to a DFlash drafter, whose numbers only decide which
-drafts are proposed: engine.fastpath's `int8-drafter`, on by default where the kernels run.
+drafts are proposed: engine.fastpath's `int8-drafter`, on by default where the kernels run. Its
+layers are `dynamic`: their kernel rows quantize x to 16-bit integers too and sum the products in
+int32 (kernels.cpu_ops.linear_int8_dynamic), 1.5-2.8x the float32 kernel's speed on a drafter's
+2-16 rows when its weights are in cache; a drafter's numbers may move, never the output.
 """
 
 from __future__ import annotations
@@ -44,13 +47,15 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 rows and a float32 scale per row (CPU; bfloat16
     activations; inference only): the kernel for up to `kernel_rows` rows (None: every call),
-    a matmul for more (module docstring)."""
+    a matmul for more (module docstring). dynamic: the kernel quantizes x's rows to 16-bit
+    integers too (a drafter's layers)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 kernel_rows: int | None = WIDEN_ROWS) -> None:
+                 kernel_rows: int | None = WIDEN_ROWS, dynamic: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel_rows = kernel_rows
+        self.dynamic = dynamic
         q, scale = quantize_int8(weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
@@ -58,7 +63,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_rows is None or x.numel() <= self.kernel_rows * self.in_features:
-            return cpu_ops.linear_int8(x, self.qweight, self.scale, self.bias)
+            kernel = cpu_ops.linear_int8_dynamic if self.dynamic else cpu_ops.linear_int8
+            return kernel(x, self.qweight, self.scale, self.bias)
         if x.dtype == torch.bfloat16 and packing_available():
             # where oneDNN's bf16 matmuls run (as bf16 prefill's do, engine.fastpath): on the
             # int8 values (exact in bf16), scaled after; 2.6-3.4x float32's speed at 512 rows on
@@ -76,28 +82,37 @@ class Int8Linear(nn.Module):
         clone.kernel_rows = None
         return clone
 
+    def dynamic_view(self) -> Int8Linear:
+        """The same layer (sharing its buffers), `dynamic`: an int8 target's head as its
+        drafter drafts with it."""
+        clone = copy.copy(self)
+        clone.dynamic = True
+        return clone
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        x = ", x as int16" if self.dynamic else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8{x}"
 
 
-def quantize_linears_int8(module: nn.Module) -> int:
+def quantize_linears_int8(module: nn.Module, dynamic: bool = False) -> int:
     """Replace every `nn.Linear` below `module` by an `Int8Linear`, in place; returns how many
     were replaced."""
     count = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear(child.weight, child.bias))
+            setattr(module, name, Int8Linear(child.weight, child.bias, dynamic=dynamic))
             count += 1
         else:
-            count += quantize_linears_int8(child)
+            count += quantize_linears_int8(child, dynamic)
     return count
 
 
 def quantize_drafter_int8(drafter: DFlashDraftModel) -> None:
-    """Every linear of a DFlash drafter as an `Int8Linear`, in place, its context K/V rows (the
-    K and V rows of each layer's qkv_proj, which the target's steps project every committed
-    token with) first given linears of their own."""
+    """Every linear of a DFlash drafter as a dynamic `Int8Linear`, in place, its context K/V
+    rows (the K and V rows of each layer's qkv_proj, which the target's steps project every
+    committed token with) first given linears of their own."""
     if drafter.context_kv_proj is None:
         drafter.context_kv_proj = nn.ModuleList(
-            Int8Linear(*drafter.context_kv_rows(i)) for i in range(len(drafter.layers)))
-    quantize_linears_int8(drafter)
+            Int8Linear(*drafter.context_kv_rows(i), dynamic=True)
+            for i in range(len(drafter.layers)))
+    quantize_linears_int8(drafter, dynamic=True)

@@ -40,6 +40,16 @@ struct LinearArgs {
 // Every row of y for W's rows [n0, n1): bfloat16 W, int8 W (this instruction set's kernels).
 void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1);
 void linear_int8_columns(const LinearArgs& a, int64_t n0, int64_t n1);
+// The same for int8 W with x's rows quantized to 16-bit integers first (linear_dynamic_<isa>.cpp).
+void linear_int8_dynamic_columns(const LinearArgs& a, int64_t n0, int64_t n1);
+
+// The levels linear_int8_dynamic quantizes x's rows to (x -> round(x * Q / max |x|)) for rows of
+// K: the most, up to 32767, for which no sum of K products with int8 weights (|q| <= 128, K
+// padded to 32) can leave int32.
+inline int64_t dynamic_levels(int64_t K) {
+  const int64_t padded = (K + 31) / 32 * 32;
+  return std::min<int64_t>(32767, int64_t{2147483647} / (128 * std::max<int64_t>(padded, 32)));
+}
 
 // Where one (run of queries, KV head)'s keys live: the pool through its sequence's page table,
 // and from key `cached` on (when `kn` is set) the run's own new rows (a drafter block's K/V).

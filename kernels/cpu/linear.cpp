@@ -1,6 +1,8 @@
 // agentflash::linear_bf16: y = x W^T (+ b) (+ residual) for bfloat16 x [M, K] and W [N, K],
 // built for the few rows of a decode step or a verify block; agentflash::linear_int8: the same
-// for int8 weights with a float32 scale per row (y = (x q^T) * scale + b), half the bytes.
+// for int8 weights with a float32 scale per row (y = (x q^T) * scale + b), half the bytes;
+// agentflash::linear_int8_dynamic: int8 weights times x's rows quantized to 16-bit integers,
+// summed in int32 (a drafter's linears: linear_dynamic_<isa>.cpp).
 //
 // Why it exists (docs/performance.md): oneDNN's bf16 matmul costs 20-30 us a call at one row
 // whatever the size (a 384x384 layer takes as long as a 2048x384 one), so the 24 linears of an
@@ -72,6 +74,25 @@ at::Tensor checked_x(const char* op, const at::Tensor& x, const at::Tensor& weig
   return x.stride(1) == 1 ? x : x.contiguous();
 }
 
+// An op on int8 weights with a float32 scale per row, its arguments checked.
+at::Tensor int8_weights(const char* op, const at::Tensor& x, const at::Tensor& qweight,
+                        const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& residual,
+                        void (*columns)(const agentflash_cpu::LinearArgs&, int64_t, int64_t)) {
+  const at::Tensor xc = checked_x(op, x, qweight);
+  TORCH_CHECK(qweight.scalar_type() == at::kChar, op, ": int8 qweight");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == qweight.size(0) &&
+                  scale.scalar_type() == at::kFloat,
+              op, ": float32 scale [N]");
+  const at::Tensor wc = qweight.stride(1) == 1 ? qweight : qweight.contiguous();
+  const at::Tensor sc = scale.contiguous();
+  agentflash_cpu::LinearArgs a{};
+  a.qw = wc.data_ptr<int8_t>();
+  a.ldw = wc.stride(0);
+  a.scale = sc.data_ptr<float>();
+  return run(op, xc, wc.size(0), bias, residual, a, columns);
+}
+
 }  // namespace
 
 namespace agentflash_cpu {
@@ -91,18 +112,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
-  const at::Tensor xc = checked_x("linear_int8", x, qweight);
-  TORCH_CHECK(qweight.scalar_type() == at::kChar, "linear_int8: int8 qweight");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == qweight.size(0) &&
-                  scale.scalar_type() == at::kFloat,
-              "linear_int8: float32 scale [N]");
-  const at::Tensor wc = qweight.stride(1) == 1 ? qweight : qweight.contiguous();
-  const at::Tensor sc = scale.contiguous();
-  agentflash_cpu::LinearArgs a{};
-  a.qw = wc.data_ptr<int8_t>();
-  a.ldw = wc.stride(0);
-  a.scale = sc.data_ptr<float>();
-  return run("linear_int8", xc, wc.size(0), bias, residual, a, linear_int8_columns);
+  return int8_weights("linear_int8", x, qweight, scale, bias, residual, linear_int8_columns);
+}
+
+at::Tensor linear_int8_dynamic(const at::Tensor& x, const at::Tensor& qweight,
+                               const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& residual) {
+  return int8_weights("linear_int8_dynamic", x, qweight, scale, bias, residual,
+                      linear_int8_dynamic_columns);
 }
 
 }  // namespace agentflash_cpu
@@ -111,9 +128,12 @@ TORCH_LIBRARY_FRAGMENT(agentflash, m) {
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None, "
         "Tensor? residual=None) -> Tensor");
+  m.def("linear_int8_dynamic(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None, "
+        "Tensor? residual=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(agentflash, CPU, m) {
   m.impl("linear_bf16", &agentflash_cpu::linear_bf16);
   m.impl("linear_int8", &agentflash_cpu::linear_int8);
+  m.impl("linear_int8_dynamic", &agentflash_cpu::linear_int8_dynamic);
 }

@@ -17,6 +17,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
                        const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual);
 
+at::Tensor linear_int8_dynamic(const at::Tensor& x, const at::Tensor& qweight,
+                               const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& residual);
+
 at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& page_table,
                                 int64_t page_size, const at::Tensor& token_seq,

@@ -2,10 +2,10 @@
 //
 // Why they exist: a compiled step calls an op without a C shim through AOTInductor's proxy
 // executor, which boxes every argument and dispatches by name on each call: 33 calls in the 11m
-// step (25 linears, 6 attentions, 2 int8 linears), 5 in its draft. With these, the program
-// calls the ops as plain C functions: DFlash "auto" +5.5%, plain decoding +2% (alternated in
-// one process on a 2-core Xeon; docs/performance.md, stop 44). Their names and arguments follow AOTInductor's convention for
-// `aot_inductor.custom_ops_to_c_shims` (kernels/cpu_ops.py: `aoti_shims` declares them):
+// step (25 linears, 6 attentions, the drafter's 2 context projections), 5 in its draft. With
+// these, the program calls the ops as plain C functions: DFlash "auto" +5.5%, plain decoding +2%
+// (alternated in one process on a 2-core Xeon; docs/performance.md, stop 44). Their names and
+// arguments follow AOTInductor's convention for `aot_inductor.custom_ops_to_c_shims` (kernels/cpu_ops.py: `aoti_shims` declares them):
 // tensors as handles, optional tensors as pointers to handles (null for None), the result
 // through the last pointer. The library is loaded with its symbols global, so a program that
 // calls them resolves them when it is loaded. Each records itself under the op's name, as the
@@ -51,6 +51,17 @@ AOTITorchError aoti_torch_cpu_linear_int8(AtenTensorHandle x, AtenTensorHandle q
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     RECORD_FUNCTION("agentflash::linear_int8", std::vector<c10::IValue>());
     *ret0 = new_tensor_handle(agentflash_cpu::linear_int8(
+        tensor(x), tensor(qweight), tensor(scale), optional(bias), optional(residual)));
+  });
+}
+
+AOTITorchError aoti_torch_cpu_linear_int8_dynamic(AtenTensorHandle x, AtenTensorHandle qweight,
+                                                  AtenTensorHandle scale, AtenTensorHandle* bias,
+                                                  AtenTensorHandle* residual,
+                                                  AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("agentflash::linear_int8_dynamic", std::vector<c10::IValue>());
+    *ret0 = new_tensor_handle(agentflash_cpu::linear_int8_dynamic(
         tensor(x), tensor(qweight), tensor(scale), optional(bias), optional(residual)));
   });
 }
