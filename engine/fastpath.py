@@ -48,10 +48,11 @@ and so runs by default:
 - `int8-drafter` (CPU, bfloat16, where agentflash's CPU kernels run, with a drafter): the
   drafter's linears (its context projection included) become per-channel int8, and it drafts
   with an int8 copy of the target's head (`DFlashDraftModel.head`; an int8 target's head is
-  already int8 and is shared). Its forward and the context store of every step read half the
-  bytes: on agentflash-11m the drafter's forward costs ~20% less, and a replay of its drafts
-  on held-out agent prompts (tools/eval_policy.py) commits as many tokens per step as the
-  bfloat16 drafter's (docs/performance.md, stop 40).
+  already int8 and is shared, through a view). Its forward and the context store of every step
+  read half the bytes: on agentflash-11m the drafter's forward costs ~20% less, and a replay of
+  its drafts on held-out agent prompts (tools/eval_policy.py) commits as many tokens per step as
+  the bfloat16 drafter's (docs/performance.md, stop 40). Its layers are `dynamic` (x's rows
+  quantized to 16-bit integers in the kernel, summed exactly in int32: stop 45).
 
 Hybrid targets (Qwen3.5, engine.models.qwen3_5) run eager; in bfloat16 on a CPU without native
 bf16 matmuls their linears and MoE experts run the CPU kernel (`cpu-kernel-linears`), else
