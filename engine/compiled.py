@@ -165,8 +165,9 @@ class CompiledDraft(DraftForward):
 
     kind = "compiled"
 
-    def __init__(self, program: CompiledProgram, kernel_attention: bool) -> None:
-        super().__init__(kernel_attention)
+    def __init__(self, program: CompiledProgram, kernel_attention: bool,
+                 returns_logits: bool) -> None:
+        super().__init__(kernel_attention, returns_logits)
         self.program = program
 
     @classmethod
@@ -177,7 +178,8 @@ class CompiledDraft(DraftForward):
         key = cache_key(model, drafter, block_size, page_size, _linears(kernels))
         return cls(CompiledProgram.load_or_build(
             "draft", key, lambda: _draft_export(model, drafter, block_size, page_size, kernels),
-            directory, kernels), kernels and KernelDraftAttention.supports(drafter))
+            directory, kernels), kernels and KernelDraftAttention.supports(drafter),
+            DraftStep.computes_head(drafter, kernels))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
                  attn: KernelDraftAttention | PagedDraftAttention,
@@ -222,11 +224,15 @@ def cache_key(model: CausalLM, drafter: DFlashDraftModel | None = None, *extra) 
                  repr(model), repr(drafter)):  # the modules (their kinds and flags)
         h.update(repr(part).encode())
     h.update(_source_digest())
-    states = [model.state_dict()] + ([] if drafter is None else [drafter.state_dict()])
-    for state in states:
-        for name, tensor in state.items():
-            if name.startswith(("lm_head.", "head.", "context_kv_proj.")):
-                continue  # the heads stay eager; the context K/V rows are qkv_proj's rows
+    # every weight (the heads too: with the CPU kernels the programs compute them) but a
+    # drafter's context K/V rows (qkv_proj's rows)
+    skipped = {id(model): (), id(drafter): ("context_kv_proj.",)}
+    for module in (model, drafter):
+        if module is None:
+            continue
+        for name, tensor in module.state_dict().items():
+            if name.startswith(skipped[id(module)]):
+                continue
             h.update(name.encode())
             h.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)
     return h.hexdigest()
@@ -343,7 +349,7 @@ def _compile(make: Callable[[], tuple], path: Path) -> None:
 
 def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
     """Rewrite `linear_bf16(x, w, b) + r` as `linear_bf16(x, w, b, residual=r)` (and the same for
-    `linear_int8(x, q, scale, b)`), in place.
+    `linear_int8(x, q, scale, b)` and `linear_int8_dynamic`), in place.
 
     The residual stream is then written by the kernel, rounded once to bfloat16, as oneDNN's
     fused add wrote it. Left to Inductor, the add fuses with what reads it, and whether a reader
@@ -351,7 +357,8 @@ def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
     differs between the target's program alone and the one that also stores the drafter's
     context (which reads the residual stream of some layers), and a plain engine's rows would
     not be a speculative engine's rows bit for bit. Returns how many adds were folded."""
-    linears = (torch.ops.agentflash.linear_bf16.default, torch.ops.agentflash.linear_int8.default)
+    ops = torch.ops.agentflash
+    linears = (ops.linear_bf16.default, ops.linear_int8.default, ops.linear_int8_dynamic.default)
     graph = program.graph_module.graph
     folded = 0
     for node in list(graph.nodes):

@@ -139,12 +139,13 @@ class TargetStep(nn.Module):
 
 class DraftStep(nn.Module):
     """The drafter's forward: N blocks of B tokens embedded, through its layers over each
-    sequence's cached context K/V, to the final norm (the head stays eager), for the block
-    tokens `rows` (indices into the N*B: those whose drafts are verified). With the CPU kernels
-    (and no windowed layer) the attention reads the context in place (KernelDraftAttention) and
-    the last layer computes only `rows` (its K/V for every token); else the attention goes
-    through the torch path (PagedDraftAttention) and every row is computed, `rows` then
-    taken."""
+    sequence's cached context K/V, to the final norm, for the block tokens `rows` (indices into
+    the N*B: those whose drafts are verified), and with the CPU kernels through its own head
+    (`DFlashDraftModel.head`, the int8 copy engine.fastpath gives it) to float32 logits; else
+    the hidden states (the head stays eager). With the CPU kernels (and no windowed layer) the
+    attention reads the context in place (KernelDraftAttention) and the last layer computes only
+    `rows` (its K/V for every token); else the attention goes through the torch path
+    (PagedDraftAttention) and every row is computed, `rows` then taken."""
 
     def __init__(self, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
                  kernels: bool, page_size: int) -> None:
@@ -154,6 +155,13 @@ class DraftStep(nn.Module):
         self.block_size = block_size
         self.page_size = page_size
         self.kernel_attention = kernels and KernelDraftAttention.supports(drafter)
+        self.returns_logits = self.computes_head(drafter, kernels)
+
+    @staticmethod
+    def computes_head(drafter: DFlashDraftModel, kernels: bool) -> bool:
+        """Whether the forward ends in the drafter's head: with the CPU kernels, when it has a
+        head of its own (the target's may be packed for oneDNN, which cannot be traced)."""
+        return kernels and drafter.head is not None
 
     def forward(self, ids, positions, rows, attention, k_caches, v_caches):
         d = self.drafter
@@ -164,7 +172,8 @@ class DraftStep(nn.Module):
             attn = KernelDraftAttention(
                 k_caches, v_caches, *attention, self.page_size, d.attention_scale,
                 [d.layer_kind(i).causal for i in range(len(d.layers))])
-            return d(h, positions, attn, rows, self.block_size)
+            hidden = d(h, positions, attn, rows, self.block_size)
+            return d.scaled(d.head(hidden).float()) if self.returns_logits else hidden
         gather, ctx_lens = attention
         attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
                                    d.attention_scale,
@@ -212,20 +221,23 @@ class DecodeForward:
 class DraftForward:
     """The drafter's forward for one block size: call it with the blocks' token ids [N*B],
     positions [N*B], the attention metadata of `attention` and the rows wanted (indices into
-    the N*B); returns their hidden states [len(rows), H] after its final norm. This one runs
-    `DraftStep` eager on the CPU kernels."""
+    the N*B); returns their float32 draft logits [len(rows), V] where it computes the head
+    (`returns_logits`), else their hidden states [len(rows), H] after its final norm. This one
+    runs `DraftStep` eager on the CPU kernels."""
 
     kind = "eager"
 
-    def __init__(self, kernel_attention: bool, step: DraftStep | None = None) -> None:
+    def __init__(self, kernel_attention: bool, returns_logits: bool,
+                 step: DraftStep | None = None) -> None:
         self.kernel_attention = kernel_attention  # KernelDraftAttention, else the torch path
+        self.returns_logits = returns_logits
         self.step = step
 
     @classmethod
     def eager(cls, model: CausalLM, drafter: DFlashDraftModel, block_size: int,
               page_size: int = 16) -> DraftForward:
         step = DraftStep(model, drafter, block_size, True, page_size)
-        return cls(step.kernel_attention, step)
+        return cls(step.kernel_attention, step.returns_logits, step)
 
     def attention(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
                   page_tables: Sequence[Sequence[int]], ctx_lens: Sequence[int],

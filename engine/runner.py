@@ -200,7 +200,8 @@ class ModelRunner:
         """One drafter forward for the verify items: block [anchor, MASK x (B-1)] at positions
         start .. start+B-1 over each sequence's cached drafter context. Returns the drafter's logits
         [N, drafts, V] for the first `drafts` (<= B-1) draft positions: the head, and with the
-        CPU kernels the drafter's last layer, run only on the positions some item verifies."""
+        CPU kernels the drafter's last layer, run only on the positions some item verifies
+        (with the CPU kernels the head is part of the drafter's forward)."""
         assert self.drafter is not None and self.draft_layers is not None
         cfg = self.drafter.config
         ids, positions, page_tables, ctx_lens = [], [], [], []
@@ -219,8 +220,10 @@ class ModelRunner:
         n = len(ids)
         block_ids, pos, wanted = flat[:n], flat[n:2 * n], flat[2 * n:]
         if self.draft_forward is not None:
-            hidden = self.draft_forward(block_ids, pos, self.draft_forward.attention(*meta),
-                                        wanted)
+            out = self.draft_forward(block_ids, pos, self.draft_forward.attention(*meta), wanted)
+            if self.draft_forward.returns_logits:
+                return out.view(len(items), drafts, -1)
+            hidden = out
         else:
             attn = PagedDraftAttention.build(*meta)
             hidden = self.drafter(self.drafter.embed_block(self.model, block_ids), pos, attn,

@@ -18,7 +18,8 @@ from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.packed import packing_available
-from agentflash.engine.models.quantized import quantize_drafter_int8, quantize_linears_int8
+from agentflash.engine.models.quantized import (Int8Linear, quantize_drafter_int8,
+                                               quantize_linears_int8)
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 from conftest import bf16_gemm_rows_are_independent
@@ -201,6 +202,19 @@ def test_the_program_is_cached_on_disk(model):
         other.norm.weight.mul_(1.5)
     assert cache_key(other) != cache_key(model)
     assert cache_key(model, None, 16) != cache_key(model, None, 8)
+    # an untied head is part of the step's program (the kernels compute it there): its weights
+    # are part of the key
+    heads = []
+    for factor in (1.0, 1.5):
+        untied = load_model(embedded_model_dir(), dtype=torch.bfloat16)
+        cfg = untied.config
+        head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
+                               dtype=torch.bfloat16)
+        with torch.no_grad():
+            head.weight.copy_(untied.embed_tokens.weight * factor)
+        untied.lm_head = head
+        heads.append(cache_key(untied))
+    assert heads[0] != heads[1]
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
@@ -260,6 +274,32 @@ def test_without_the_cpu_kernels_the_engine_keeps_onednn(monkeypatch):
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
     spec = Engine(model, drafter=drafter, compile=True)
     assert spec.generate([prompt], params)[0].output_ids == plain
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+def test_a_drafter_with_a_head_of_its_own_ends_its_forward_in_it(model):
+    """The drafter engine.fastpath makes has a head of its own (int8): with the CPU kernels its
+    forward, eager or compiled, ends in that head, so a draft is one call from token ids to
+    logits: the head's logits on the forward's hidden states."""
+    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+    quantize_drafter_int8(drafter)
+    drafter.head = Int8Linear(model.embed_tokens.weight, None, kernel_rows=None, dynamic=True)
+    dk, dv, tables, ctx, block, bpos = _two_blocks(model, drafter)
+    rows = torch.tensor([1, 2, 3, 17, 18])
+    eager, compiled = (DraftForward.eager(model, drafter, 16, PAGE),
+                       CompiledDraft.build(model, drafter, 16, page_size=PAGE))
+    assert eager.returns_logits and compiled.returns_logits
+    attn = eager.attention(dk, dv, tables, ctx, 16, PAGE, drafter)
+    logits = eager(block, bpos, attn, rows)
+    head, drafter.head = drafter.head, None
+    headless = DraftForward.eager(model, drafter, 16, PAGE)
+    assert not headless.returns_logits
+    hidden = headless(block, bpos, attn, rows)
+    drafter.head = head
+    assert logits.dtype == torch.float32 and torch.equal(logits, drafter.logits(model, hidden))
+    got = compiled(block, bpos, compiled.attention(dk, dv, tables, ctx, 16, PAGE, drafter), rows)
+    cos = torch.nn.functional.cosine_similarity(got, logits, dim=-1)
+    assert got.shape == logits.shape and cos.min() > 0.999, cos
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")

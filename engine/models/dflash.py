@@ -194,7 +194,10 @@ class DFlashDraftModel(nn.Module):
     def logits(self, target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
         """float32 draft logits: the target's head (or `head`), then output_multiplier and the
         softcap."""
-        logits = target.logits(hidden, self.head)
+        return self.scaled(target.logits(hidden, self.head))
+
+    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 head outputs with output_multiplier and the softcap applied."""
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

@@ -9,9 +9,9 @@
 // AVX512 without VNNI, `vpmaddwd` + `vpaddd` (the same numbers). The weight rows' int8 values
 // stay as they are; only the activations change: every value of x's row m becomes
 // round(x * Q / amax_m) (amax_m: the row's largest |x|; Q = kernels.h's `dynamic_levels(K)`,
-// at most 32767 and small enough that no int32 sum can overflow), an error of at most half a
-// step of amax_m / Q, far below bfloat16's own rounding of x at Q = 32767 and about it at Q =
-// 5461 (K = 3072).
+// at most 32767 and small enough that no int32 sum can overflow), an error of at most
+// amax_m / 2Q: 1.5e-5 of the row's largest value at Q = 32767 (K up to 512), 9e-5 at Q = 5461
+// (K = 3072), where bfloat16 itself rounds every value by up to 2^-9 of its size.
 //
 // Every output y[m, n] = (sum over K of q_x[m, k] * q_w[n, k]) * (amax_m / Q) * scale[n]
 // (+ bias[n]) (+ residual[m, n]), rounded once to bfloat16: the integer sum is exact, its 16
