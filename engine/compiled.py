@@ -226,12 +226,11 @@ def cache_key(model: CausalLM, drafter: DFlashDraftModel | None = None, *extra) 
     h.update(_source_digest())
     # every weight (the heads too: with the CPU kernels the programs compute them) but a
     # drafter's context K/V rows (qkv_proj's rows)
-    skipped = {id(model): (), id(drafter): ("context_kv_proj.",)}
-    for module in (model, drafter):
+    for module, skipped in ((model, ()), (drafter, ("context_kv_proj.",))):
         if module is None:
             continue
         for name, tensor in module.state_dict().items():
-            if name.startswith(skipped[id(module)]):
+            if name.startswith(skipped):
                 continue
             h.update(name.encode())
             h.update(tensor.detach().contiguous().view(torch.uint8).numpy().data)

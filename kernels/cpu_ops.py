@@ -7,10 +7,11 @@
 - `linear_int8(x, qweight, scale, bias)`: the same for int8 weights with a float32 scale per
   output row (half the bytes of bfloat16): int8 turned into bfloat16 in registers (AVX512-BF16)
   or into float32 (AVX2).
-- `linear_int8_dynamic(x, qweight, scale, bias)`: int8 weights times x's rows quantized on the
-  fly to 16-bit integers, summed exactly in int32 (AVX512-VNNI's `vpdpwssd`, else `vpmaddwd`):
-  2-3x the float32 kernels' rate on the few rows of a drafter, whose numbers only decide what
-  it proposes.
+- `linear_int8(..., dynamic=True)` (the op `linear_int8_dynamic`): int8 weights times x's rows quantized on the
+  fly to 16-bit integers, summed exactly in int32 (AVX512-VNNI's `vpdpwssd`, else
+  `vpmaddwd`): 1.3-2.9x the float32 kernel on a drafter's 1-15 rows with
+  its weights in cache, about the same speed at 1-2 rows from memory (stop 45); a drafter's
+  numbers only decide what it proposes.
 - `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
   each query over its sequence's keys in the paged pool, read in place through its page table
   (attention.cpp): no gathered copy of the context, no batched-matmul calls.
@@ -246,22 +247,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, dynamic: bool = False) -> torch.Tensor:
     """x [..., K] @ (qweight [N, K] int8 * scale [N, 1] float32)^T (+ bias [N]), bfloat16: the
-    products summed in float32, scaled per output, rounded once."""
+    products summed in float32, scaled per output, rounded once. dynamic (the op
+    `linear_int8_dynamic`): each row of x first quantized to 16-bit integers (round(x * Q /
+    max |x|), Q up to 32767 as K allows) and the products summed exactly in int32: close to
+    the float32 numbers, not equal (for a drafter, whose numbers only choose its proposals).
+    Either way each row's output depends on that row alone."""
+    op = torch.ops.agentflash.linear_int8_dynamic if dynamic else torch.ops.agentflash.linear_int8
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    out = torch.ops.agentflash.linear_int8(flat, qweight, scale, bias)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
-
-
-def linear_int8_dynamic(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear_int8` with each row of x [..., K] first quantized to 16-bit integers (round(x *
-    Q / max |x|), Q up to 32767 as K allows) and the products summed exactly in int32, then
-    scaled: close to linear_int8's numbers, not equal (for a drafter, whose numbers only choose
-    its proposals). Each row's output depends on that row alone."""
-    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    out = torch.ops.agentflash.linear_int8_dynamic(flat, qweight, scale, bias)
+    out = op(flat, qweight, scale, bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
 
 
@@ -295,17 +290,13 @@ def _register_fakes() -> None:
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
-    @torch.library.register_fake("agentflash::linear_int8")
     def _linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], qweight.shape[0])
 
-    @torch.library.register_fake("agentflash::linear_int8_dynamic")
-    def _linear_int8_dynamic(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                             bias: torch.Tensor | None = None,
-                             residual: torch.Tensor | None = None) -> torch.Tensor:
-        return x.new_empty(x.shape[0], qweight.shape[0])
+    for op in ("agentflash::linear_int8", "agentflash::linear_int8_dynamic"):
+        torch.library.register_fake(op)(_linear_int8)
 
     @torch.library.register_fake("agentflash::paged_attention_bf16")
     def _attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -221,17 +221,22 @@ def test_the_program_is_cached_on_disk(model):
 def test_the_programs_call_the_kernels_through_their_c_shims(model):
     """A program calls the CPU kernels as C functions (kernels/cpu/shims.cpp), not through
     AOTInductor's proxy executor, which boxes every argument on every call."""
-    import zipfile
-
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
     for program in (CompiledForward.build(model, drafter, page_size=PAGE).program,
                     CompiledDraft.build(model, drafter, 16, page_size=PAGE).program):
-        with zipfile.ZipFile(program.path) as package:
-            wrapper = "".join(package.read(name).decode() for name in package.namelist()
-                              if name.endswith("wrapper.cpp"))
+        wrapper = _wrapper_source(program)
         assert "aoti_torch_cpu_paged_attention_bf16(" in wrapper
         assert "aoti_torch_cpu_linear_" in wrapper
         assert "proxy_executor_call_function(" not in wrapper
+
+
+def _wrapper_source(program) -> str:
+    """The C++ wrapper of a compiled program's package (what it calls, and how)."""
+    import zipfile
+
+    with zipfile.ZipFile(program.path) as package:
+        return "".join(package.read(name).decode() for name in package.namelist()
+                       if name.endswith("wrapper.cpp"))
 
 
 def test_a_failed_compile_runs_eager_with_a_warning(monkeypatch, tmp_path, caplog):
@@ -300,6 +305,11 @@ def test_a_drafter_with_a_head_of_its_own_ends_its_forward_in_it(model):
     got = compiled(block, bpos, compiled.attention(dk, dv, tables, ctx, 16, PAGE, drafter), rows)
     cos = torch.nn.functional.cosine_similarity(got, logits, dim=-1)
     assert got.shape == logits.shape and cos.min() > 0.999, cos
+    # its dynamic int8 layers and head through their C shim (a program that failed to compile
+    # them would leave the engine eager, with only a warning)
+    wrapper = _wrapper_source(compiled.program)
+    assert "aoti_torch_cpu_linear_int8_dynamic(" in wrapper
+    assert "proxy_executor_call_function(" not in wrapper
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")

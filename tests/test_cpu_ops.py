@@ -79,7 +79,7 @@ def test_dynamic_int8_linear_is_its_integer_arithmetic_exactly(n, k):
     sums = ((x.float() * inv).round().long() @ q.long().T).float()  # exact; < 2^31
     want = (sums * scale * (amax / levels) + bias.float()).to(torch.bfloat16)
     assert torch.equal(torch.ops.agentflash.linear_int8_dynamic(x, q, scale, bias), want)
-    assert torch.equal(cpu_ops.linear_int8_dynamic(x[None], q, scale, bias)[0], want)
+    assert torch.equal(cpu_ops.linear_int8(x[None], q, scale, bias, dynamic=True)[0], want)
 
 
 def test_linear_refuses_what_it_does_not_compute():

@@ -16,8 +16,9 @@ lookup): at Qwen3-0.6B's size it is a quarter of the weights.
 `quantize_drafter_int8` does the same to a DFlash drafter, whose numbers only decide which
 drafts are proposed: engine.fastpath's `int8-drafter`, on by default where the kernels run. Its
 layers are `dynamic`: their kernel rows quantize x to 16-bit integers too and sum the products in
-int32 (kernels.cpu_ops.linear_int8_dynamic), 1.5-2.8x the float32 kernel's speed on a drafter's
-2-16 rows when its weights are in cache; a drafter's numbers may move, never the output.
+int32 (kernels.cpu_ops.linear_int8, dynamic): 1.3-2.9x the float32 kernel's speed on a
+drafter's 1-15 rows when its weights are in cache, about the same at 1-2 rows from memory; a
+drafter's numbers may move, never the output.
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_rows is None or x.numel() <= self.kernel_rows * self.in_features:
-            kernel = cpu_ops.linear_int8_dynamic if self.dynamic else cpu_ops.linear_int8
-            return kernel(x, self.qweight, self.scale, self.bias)
+            return cpu_ops.linear_int8(x, self.qweight, self.scale, self.bias, self.dynamic)
         if x.dtype == torch.bfloat16 and packing_available():
             # where oneDNN's bf16 matmuls run (as bf16 prefill's do, engine.fastpath): on the
             # int8 values (exact in bf16), scaled after; 2.6-3.4x float32's speed at 512 rows on
