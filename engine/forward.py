@@ -173,12 +173,15 @@ class DraftStep(nn.Module):
                 k_caches, v_caches, *attention, self.page_size, d.attention_scale,
                 [d.layer_kind(i).causal for i in range(len(d.layers))])
             hidden = d(h, positions, attn, rows, self.block_size)
-            return d.scaled(d.head(hidden).float()) if self.returns_logits else hidden
-        gather, ctx_lens = attention
-        attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
-                                   d.attention_scale,
-                                   [d.layer_kind(i) for i in range(len(d.layers))])
-        return d(h, positions, attn, block_size=self.block_size).index_select(0, rows)
+        else:
+            gather, ctx_lens = attention
+            attn = PagedDraftAttention(k_caches, v_caches, gather, ctx_lens, self.block_size,
+                                       d.attention_scale,
+                                       [d.layer_kind(i) for i in range(len(d.layers))])
+            hidden = d(h, positions, attn, block_size=self.block_size).index_select(0, rows)
+        # the head either way: a drafter whose attention the kernel cannot take (a window, an
+        # odd head size) still has the head engine.fastpath gave it
+        return d.scaled(d.head(hidden).float()) if self.returns_logits else hidden
 
 
 class DecodeForward:

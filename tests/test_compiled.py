@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from agentflash.embedded import embedded_model_dir, model_drafter_dir
-from agentflash.engine.attention import PagedAttention, PagedDraftAttention
+from agentflash.engine.attention import KernelDraftAttention, PagedAttention, PagedDraftAttention
 from agentflash.engine.compiled import CompiledDraft, CompiledForward, cache_key
 from agentflash.engine.forward import DecodeForward, DraftForward, kernel_view, step_args
 from agentflash.engine.engine import Engine
@@ -310,6 +310,30 @@ def test_a_drafter_with_a_head_of_its_own_ends_its_forward_in_it(model):
     wrapper = _wrapper_source(compiled.program)
     assert "aoti_torch_cpu_linear_int8_dynamic(" in wrapper
     assert "proxy_executor_call_function(" not in wrapper
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+def test_a_drafter_whose_attention_takes_the_torch_path_still_ends_in_its_head(model,
+                                                                            monkeypatch):
+    """A drafter whose attention the kernel cannot take (a windowed layer, a head size it does
+    not support) attends through the torch path; with the head engine.fastpath gives every
+    drafter on the CPU kernels, its forward still ends in that head: logits, which the engine
+    drafts from, not hidden states."""
+    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+    quantize_drafter_int8(drafter)
+    drafter.head = Int8Linear(model.embed_tokens.weight, None, kernel_rows=None, dynamic=True)
+    monkeypatch.setattr(KernelDraftAttention, "supports", staticmethod(lambda drafter: False))
+    run = DraftForward.eager(model, drafter, 16, PAGE)
+    assert not run.kernel_attention and run.returns_logits
+    dk, dv, tables, ctx, block, bpos = _two_blocks(model, drafter)
+    attn = run.attention(dk, dv, tables, ctx, 16, PAGE, drafter)
+    rows = torch.tensor([1, 2, 17])
+    logits = run(block, bpos, attn, rows)
+    head, drafter.head = drafter.head, None
+    hidden = DraftForward.eager(model, drafter, 16, PAGE)(block, bpos, attn, rows)
+    drafter.head = head
+    assert logits.shape == (3, model.config.vocab_size)
+    assert torch.equal(logits, drafter.logits(model, hidden))
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
