@@ -306,12 +306,11 @@ class Engine:
             self.counters.draft_forwards += 1
             for i, item in enumerate(verify):
                 n = item.num_tokens - 1
+                if confidence is not None:  # verify what the drafter is confident enough of
+                    cost = item.cost = self.spec.cost_at(self._decoding, item.seq.num_tokens)
+                    n = confident_length(confidence[i][:n], cost) - 1
+                    item.num_tokens = n + 1
                 if item.seq.constraint is None:
-                    if confidence is not None:  # verify what the drafter is confident enough of
-                        cost = item.cost = self.spec.cost_at(self._decoding,
-                                                             item.seq.num_tokens)
-                        n = confident_length(confidence[i][:n], cost) - 1
-                        item.num_tokens = n + 1
                     item.draft = drafts[i][:n]
                     continue
                 t_grammar = time.perf_counter()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentflash.engine.config import CacheConfig, SpecConfig
+from agentflash.engine.config import CacheConfig, SpecConfig, StepCost
 from agentflash.engine.engine import Engine
 from agentflash.engine.errors import RequestError
 from agentflash.engine.sampler import SamplingParams
@@ -90,6 +90,33 @@ def test_constrained_greedy_speculative_equals_plain(pair):
         assert sum(c.rolled_back for c in constraints) > 0
         engine.kv.check_integrity()
         assert engine.stats()["pages_referenced"] == 0
+
+
+def test_step_costs_choose_a_constrained_requests_verify_length_too(pair):
+    """With step costs ("auto"), a constrained request verifies only the drafts the drafter is
+    sure enough of, as an unconstrained one does (the grammar then walks only those), and its
+    output stays the plain constrained output."""
+    model, drafter = pair
+    params = SamplingParams(max_new_tokens=30)
+    prompts = prompts_for(4, VOCAB, seed=5)
+    lengths = [40, 40, 40, 40]
+    plain, _, _ = run(model, None, prompts, params, lengths)
+    steep = StepCost((0.0,) * 8, tuple(1.0 + 0.5 * k for k in range(8)))  # a token: +0.5
+    for cost in (steep, None):
+        engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
+                        spec=SpecConfig(8, cost=cost, draft_rows=3))
+        for prompt, want in zip(prompts, plain):
+            seq = engine.submit(prompt, params, constraint=Cycle(40))
+            drafted = []
+            while engine.has_work():
+                forwards = engine.counters.draft_forwards
+                drafted += [u.draft_tokens for u in engine.step()
+                            if engine.counters.draft_forwards > forwards]
+            assert engine.result(seq).output_ids == want.output_ids
+            if cost is None:  # full blocks
+                assert max(drafted) == 7
+            else:  # only drafts the drafter is sure enough of (this one never is, of many)
+                assert max(drafted) <= 3 and min(drafted) == 0
 
 
 def test_constrained_sampling_stays_in_grammar(pair):
