@@ -307,6 +307,8 @@ class Engine:
             for i, item in enumerate(verify):
                 n = item.num_tokens - 1
                 if confidence is not None:  # verify what the drafter is confident enough of
+                    # (under a grammar, the confidence of the drafter's own choice even where
+                    # the grammar will propose another token: an overestimate there)
                     cost = item.cost = self.spec.cost_at(self._decoding, item.seq.num_tokens)
                     n = confident_length(confidence[i][:n], cost) - 1
                     item.num_tokens = n + 1

@@ -12,7 +12,7 @@ from agentflash.engine.config import CacheConfig, SpecConfig, StepCost
 from agentflash.engine.engine import Engine
 from agentflash.engine.errors import RequestError
 from agentflash.engine.sampler import SamplingParams
-from test_spec import build, prompts_for
+from test_spec import build, drafted_steps, prompts_for
 
 VOCAB = 16
 STOP = 15
@@ -99,20 +99,15 @@ def test_step_costs_choose_a_constrained_requests_verify_length_too(pair):
     model, drafter = pair
     params = SamplingParams(max_new_tokens=30)
     prompts = prompts_for(4, VOCAB, seed=5)
-    lengths = [40, 40, 40, 40]
-    plain, _, _ = run(model, None, prompts, params, lengths)
+    plain, _, _ = run(model, None, prompts, params, [40] * len(prompts))
     steep = StepCost((0.0,) * 8, tuple(1.0 + 0.5 * k for k in range(8)))  # a token: +0.5
     for cost in (steep, None):
         engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
                         spec=SpecConfig(8, cost=cost, draft_rows=3))
         for prompt, want in zip(prompts, plain):
-            seq = engine.submit(prompt, params, constraint=Cycle(40))
-            drafted = []
-            while engine.has_work():
-                forwards = engine.counters.draft_forwards
-                drafted += [u.draft_tokens for u in engine.step()
-                            if engine.counters.draft_forwards > forwards]
-            assert engine.result(seq).output_ids == want.output_ids
+            done, steps = drafted_steps(engine, prompt, params, Cycle(40))
+            assert done.output_ids == want.output_ids
+            drafted = [n for ran, n, _ in steps if ran]
             if cost is None:  # full blocks
                 assert max(drafted) == 7
             else:  # only drafts the drafter is sure enough of (this one never is, of many)

@@ -237,9 +237,9 @@ def test_step_costs_follow_the_context():
     assert SpecConfig(8, cost=short).cost_at(1, 1256) is short
 
 
-def _drafted_steps(engine: Engine, prompt: list[int], params: SamplingParams):
+def drafted_steps(engine: Engine, prompt: list[int], params: SamplingParams, constraint=None):
     """Run one request; per decode step: (drafter ran, drafts verified, tokens committed)."""
-    seq = engine.submit(prompt, params)
+    seq = engine.submit(prompt, params, constraint=constraint)
     steps = []
     while engine.has_work():
         forwards = engine.counters.draft_forwards
@@ -261,7 +261,7 @@ def test_step_costs_and_confidence_choose_the_verify_length_losslessly(pair):
         engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
                         spec=SpecConfig(8, cost=cost, draft_rows=3))
         for prompt, want in zip(prompts, plain):
-            done, steps = _drafted_steps(engine, prompt, params)
+            done, steps = drafted_steps(engine, prompt, params)
             assert done.output_ids == want.output_ids
             drafted = [n for ran, n, _ in steps if ran]
             if cost is None:  # full blocks (shorter only where the budget ends)
@@ -282,7 +282,7 @@ def test_a_drafter_that_does_not_pay_backs_off_at_doubling_gaps(pair):
     dear = StepCost((0.0,) + (100.0,) * 7, (1.0,) * 8)          # the drafter never pays
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
                     spec=SpecConfig(8, cost=dear, max_backoff=8))
-    done, steps = _drafted_steps(engine, prompt, params)
+    done, steps = drafted_steps(engine, prompt, params)
     assert done.output_ids == plain.output_ids
     ran = [i for i, (r, _, _) in enumerate(steps) if r]
     gaps = [b - a - 1 for a, b in zip(ran, ran[1:])]
