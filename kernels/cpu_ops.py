@@ -30,7 +30,8 @@ cores; needs a C++ compiler), cached under $AGENTFLASH_CACHE_DIR (else ~/.cache/
 the sources' digest, and loaded in milliseconds afterwards. `available()` says whether the ops
 run here; where they do not (no AVX2, no compiler, $AGENTFLASH_CPU_KERNELS=0) callers keep the
 torch path. $AGENTFLASH_CPU_ISA=avx2 (or avx512) builds that set on a CPU that has a better
-one (to test it).
+one, and $AGENTFLASH_CPU_EXTRAS=0 builds it without the optional instructions this CPU adds to
+it (AVX512-VNNI): both to test, where the tests run, the code other CPUs run.
 The ops are traceable (fake implementations give their shapes), so `torch.export` keeps each as
 one node and AOTInductor calls it from a compiled program (engine.compiled).
 """
@@ -94,9 +95,16 @@ def source_paths(chosen: Isa) -> list[Path]:
 
 def build_flags(chosen: Isa) -> tuple[str, ...]:
     """The compiler flags of one instruction set's library on this CPU: its own, and those of
-    its extras the CPU has."""
+    its extras the CPU has (none with $AGENTFLASH_CPU_EXTRAS=0)."""
+    if not _switch("AGENTFLASH_CPU_EXTRAS"):
+        return chosen.flags
     flags = _cpu_flags()
     return chosen.flags + tuple(flag for cpu, flag in chosen.extras if cpu in flags)
+
+
+def _switch(name: str) -> bool:
+    """An on/off environment variable, on unless set to 0, false, no or off."""
+    return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
 
 
 def cache_root() -> Path:
@@ -150,8 +158,7 @@ def source_digest() -> str:
 
 def enabled() -> bool:
     """$AGENTFLASH_CPU_KERNELS=0 keeps the torch path everywhere (for comparisons)."""
-    return os.environ.get("AGENTFLASH_CPU_KERNELS", "1").lower() not in ("0", "false", "no",
-                                                                         "off")
+    return _switch("AGENTFLASH_CPU_KERNELS")
 
 
 @functools.cache

@@ -112,16 +112,20 @@ def test_a_widened_linear_takes_the_kernel_for_few_rows_and_float32_for_many():
     assert torch.equal(layer(many[None])[0], want)  # leading dimensions
 
 
-_OTHER_ISAS = [name for name in cpu_ops.isas_here()
-               if cpu_ops.isa() is not None and name != cpu_ops.isa().name]
+_CHOSEN = cpu_ops.isa()
+_OTHER_BUILDS = [(name, True) for name in cpu_ops.isas_here()
+                 if _CHOSEN is not None and name != _CHOSEN.name]
+if _CHOSEN is not None and cpu_ops.build_flags(_CHOSEN) != _CHOSEN.flags:
+    _OTHER_BUILDS.append((_CHOSEN.name, False))  # without the extras this CPU adds (VNNI)
 
 
-@pytest.mark.parametrize("isa", _OTHER_ISAS or [pytest.param(None, marks=pytest.mark.skip(
-    reason="this CPU runs only the build chosen for it"))])
-def test_the_builds_a_cpu_that_has_a_better_one_can_run(isa):
-    """Most laptops and older servers have AVX2 (or AVX512) but not AVX512-BF16: each build is
-    tested wherever it runs, not only where it is the one chosen."""
-    env = {**os.environ, "AGENTFLASH_CPU_ISA": isa}
+@pytest.mark.parametrize("isa,extras", _OTHER_BUILDS or [pytest.param(
+    None, None, marks=pytest.mark.skip(reason="this CPU runs only the build chosen for it"))])
+def test_the_builds_a_cpu_that_has_a_better_one_can_run(isa, extras):
+    """Most laptops and older servers have AVX2 (or AVX512) but not AVX512-BF16, and AVX512
+    CPUs before Cascade Lake lack VNNI: each build is tested wherever it runs, not only where
+    it is the one chosen."""
+    env = {**os.environ, "AGENTFLASH_CPU_ISA": isa, "AGENTFLASH_CPU_EXTRAS": str(int(extras))}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           __file__, "-k", "not better_one"], env=env, capture_output=True,
                          text=True, timeout=900)
