@@ -155,6 +155,8 @@ def _generate(args: argparse.Namespace) -> int:
                     sum(c.acceptance_lengths) / max(1, len(c.acceptance_lengths)), 3),
                 "acceptance_histogram": c.acceptance_histogram,
                 "accepted_per_position": c.accepted_per_position,
+                "lookups": c.lookups, "lookup_tokens": c.lookup_tokens,
+                "lookup_accepted": c.lookup_accepted,
             }
             if args.trace:
                 record["drafts"] = c.drafts

@@ -129,7 +129,8 @@ def _header(steps: list[StepRecord], tools: list[ToolRecord], total: Usage, span
         ("Wall span", _dur(span_s), f"step time {_dur(total.timing.total_s)}"),
         ("Prompt tokens", _int(total.prompt_tokens), f"cached {_cached(total)}"),
         ("Completion tokens", _int(total.completion_tokens),
-         f"{_int(spec.accepted_tokens)} from drafts" if spec and spec.drafts else ""),
+         f"{_int(spec.accepted_tokens + spec.lookup_accepted)} from drafts"
+         if spec and (spec.drafts or spec.lookups) else ""),
         ("Mean acceptance τ", UNREPORTED if spec is None else
          f"{spec.mean_acceptance_length:.2f}" if spec.drafts else "speculation off",
          _count(spec.drafts, "verify step") if spec and spec.drafts else ""),

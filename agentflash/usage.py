@@ -47,6 +47,10 @@ class Speculative(BaseModel):
     committed_tokens: int = 0            # tokens committed by verify steps (sum of tau)
     accepted_per_position: list[int] = Field(default_factory=list)  # k: draft k+1 accepted
     acceptance_histogram: dict[int, int] = Field(default_factory=dict)  # tau -> verify steps
+    # verify steps of drafts read from the context instead (engine.lookup; no drafter forward)
+    lookups: int = 0
+    lookup_tokens: int = 0               # tokens they proposed
+    lookup_accepted: int = 0             # of those, accepted by the target
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -130,15 +134,16 @@ class Cost(BaseModel):
             return cost
         rate = pricing.usd_per_hour / 3600
         per_prefill_token = c.prefill_compute_s / c.prefill_tokens if c.prefill_tokens else 0.0
-        plain_steps = c.decode_tokens - c.draft_forwards - c.draft_tokens  # verify fed 1 + drafts
+        plain_steps = (c.decode_tokens - c.draft_forwards - c.draft_tokens  # verify fed 1 + drafts
+                       - c.lookups - c.lookup_tokens)
         if plain_steps >= 4:  # this request's own plain steps (speculation stopped, or never ran)
             plain_decode_s = (c.decode_compute_s - c.verify_compute_s) / plain_steps
-        plain = sum(c.acceptance_lengths) * plain_decode_s
+        plain = (sum(c.acceptance_lengths) + c.lookup_committed) * plain_decode_s
         return cls(
             usd=rate * (c.prefill_compute_s + c.decode_compute_s + c.draft_compute_s),
             saved_by_cache_usd=rate * c.cached_tokens * per_prefill_token,
             saved_by_speculation_usd=rate * (plain - c.verify_compute_s - c.draft_compute_s)
-            if c.draft_forwards else 0.0)
+            if c.draft_forwards or c.lookups else 0.0)
 
 
 class Usage(BaseModel):
@@ -183,7 +188,8 @@ class Usage(BaseModel):
                 drafts=c.draft_forwards, draft_tokens=c.draft_tokens,
                 accepted_tokens=c.accepted_tokens, committed_tokens=sum(c.acceptance_lengths),
                 accepted_per_position=list(c.accepted_per_position),
-                acceptance_histogram=c.acceptance_histogram),
+                acceptance_histogram=c.acceptance_histogram, lookups=c.lookups,
+                lookup_tokens=c.lookup_tokens, lookup_accepted=c.lookup_accepted),
             compute=Compute(
                 target_forwards=c.target_forwards, draft_forwards=c.draft_forwards,
                 prefill_tokens_computed=c.prefill_tokens, verify_tokens_computed=verify_tokens,

@@ -287,6 +287,11 @@ class SpecConfig:
     free prose pays the drafter rarely, a tool call after it speculates again at once. None:
     every verify step checks the whole block.
 
+    lookup (with step costs): a step may verify drafts read from the request's own context
+    instead (engine.lookup: what followed the last tokens where they occurred before), where
+    their expected yield, learned per match length, beats the step planned: a drafted step's
+    recent yield, or a plain step while the drafter backs off. They cost no forward.
+
     `batch_costs`: the same measured with more requests decoding at once (a verify token costs
     more, relative to a plain step, once the forward is compute-bound); a request decides with
     the costs of the batch size nearest its step's. `long_cost`: the batch-1 costs at a longer
@@ -298,6 +303,7 @@ class SpecConfig:
     long_cost: StepCost | None = None
     draft_rows: int = 5
     max_backoff: int = 16
+    lookup: bool = True
     MIN_BLOCK = 2
     MAX_BLOCK = 16
 

@@ -25,6 +25,7 @@ from .fastpath import Prepared, prepare
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
 from .kv.state_pool import StatePool
+from .lookup import ContextIndex, LookupStats
 from .models.dflash import DFlashDraftModel, load_drafter
 from .models.gated_deltanet import RecurrentStates
 from .models.loader import load_model
@@ -52,6 +53,7 @@ class SeqUpdate:
     error: Exception | None = None
     draft_tokens: int = 0       # proposed by the drafter this step
     accepted_tokens: int = 0    # of those, accepted by the target
+    lookup_tokens: int = 0      # proposed from the context this step (engine.lookup)
 
 
 @dataclass
@@ -80,6 +82,9 @@ class EngineCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     draft_context_tokens: int = 0
+    lookups: int = 0            # verify steps of context drafts (engine.lookup)
+    lookup_tokens: int = 0
+    lookup_accepted: int = 0
     draft_s: float = 0.0        # drafter forwards
     target_s: float = 0.0       # target forwards (prefill, decode and verify)
     step_s: float = 0.0         # whole steps: the rest is scheduling and bookkeeping
@@ -163,6 +168,7 @@ class Engine:
         self.detokenize = detokenize
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.counters = EngineCounters()
+        self.lookup_stats = LookupStats(max(self.block_size - 1, 1))
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
         self._done: dict[int, Completion] = {}
@@ -286,12 +292,19 @@ class Engine:
         if not items:
             return updates
         self._decoding = sum(not item.seq.prefilling for item in items)
-        for item in [item for item in items if item.verifies and item.seq.predicting]:
-            error = self._predict(item)
+        for item in [item for item in items if item.verifies
+                     and (item.seq.predicting or item.seq.lookup is not None)]:
+            seq = item.seq
+            if seq.predicting:
+                at = len(seq.output_ids)
+                error = self._propose(item, seq.prediction[at:at + item.num_tokens - 1],
+                                      "prediction")
+            else:
+                error = self._propose(item, seq.lookup[:item.num_tokens - 1], "context")
             if error is not None:
-                updates.append(self._fail(item.seq, error))
+                updates.append(self._fail(seq, error))
                 items.remove(item)
-        verify = [item for item in items if item.verifies and not item.predicted]
+        verify = [item for item in items if item.verifies and item.source == "drafter"]
         if verify:
             t0 = time.perf_counter()
             logits = self.runner.draft(verify, self.block_size,
@@ -363,13 +376,11 @@ class Engine:
         self.counters.step_s += time.perf_counter() - t_step
         return updates
 
-    def _predict(self, item: BatchItem) -> RequestError | None:
-        """Fill a verify item's drafts from its sequence's prediction (cut by its grammar)."""
+    def _propose(self, item: BatchItem, tokens: list[int], source: str) -> RequestError | None:
+        """Fill a verify item's drafts with `tokens`, the caller's prediction or context drafts
+        (cut by its grammar)."""
         seq = item.seq
-        assert seq.prediction is not None
-        at = len(seq.output_ids)
-        tokens = seq.prediction[at:at + item.num_tokens - 1]
-        item.predicted = True
+        item.source = source
         if seq.constraint is None:
             item.draft = tokens
         else:
@@ -444,7 +455,18 @@ class Engine:
         seq.follow_prediction(kept)
         if not seq.predicting and not seq.drafts:
             seq.block_size = 1
-        if item.verifies and not item.predicted:
+        if item.verifies and item.source == "context":
+            c = seq.counters
+            c.lookups += 1
+            c.lookup_tokens += len(draft)
+            c.lookup_accepted += verdict.accepted
+            c.lookup_committed += kept
+            self.lookup_stats.record(seq.lookup_match, len(draft), verdict.accepted)
+            update.lookup_tokens = len(draft)
+            self.counters.lookups += 1
+            self.counters.lookup_tokens += len(draft)
+            self.counters.lookup_accepted += verdict.accepted
+        elif item.verifies and item.source == "drafter":
             c = seq.counters
             c.draft_forwards += 1
             c.draft_tokens += len(draft)
@@ -475,10 +497,12 @@ class Engine:
         many drafts it proposes, or a plain step while it backs off."""
         spec = self.spec
         rows = seq.draft_rows  # the drafter's rows this step (if it ran)
-        if item.verifies and not item.predicted:  # the drafter ran (its drafts may all be cut)
+        if item.verifies and item.source == "drafter":  # it ran (its drafts may all be cut)
             cost = item.cost or spec.cost_at(self._decoding, item.start)
             assert cost is not None
-            if kept < cost.draft[rows] + cost.verify[drafted]:  # plain steps made more
+            spent = cost.draft[rows] + cost.verify[drafted]
+            seq.draft_rate = (seq.draft_rate + kept / spent) / 2
+            if kept < spent:  # plain steps made more
                 seq.cooldown, seq.backoff = seq.backoff, min(2 * seq.backoff, spec.max_backoff)
             else:
                 seq.backoff = 1
@@ -489,6 +513,28 @@ class Engine:
         elif seq.cooldown:
             seq.cooldown -= 1
         seq.block_size = 1 if seq.cooldown else seq.draft_rows + 1
+        if spec.lookup and seq.finish_reason is None and item.start >= len(seq.prompt_ids):
+            self._look_up(seq)  # (not after the prompt's last chunk: its index is built later,
+            #                    out of the time to the first token)
+
+    def _look_up(self, seq: Sequence) -> None:
+        """Context drafts for the next step (engine.lookup), where the verify of those worth
+        verifying is expected to commit more per unit of time than the step planned (the
+        drafter's, by its recent drafted steps; or a plain one while it backs off)."""
+        if seq.index is None:
+            seq.index = ContextIndex(seq.tokens)
+        else:
+            seq.index.extend(seq.output_ids[len(seq.index.tokens) - len(seq.prompt_ids):])
+        seq.lookup = None
+        tokens, match = seq.index.propose(min(self.block_size, seq.budget - seq.num_tokens) - 1)
+        if not tokens:
+            return
+        cost = self.spec.cost_at(self._decoding, seq.num_tokens)
+        assert cost is not None
+        drafts, rate = self.lookup_stats.plan(match, len(tokens), cost)
+        if drafts and rate > (1.0 if seq.cooldown else seq.draft_rate):
+            seq.lookup, seq.lookup_match = tokens[:drafts], match
+            seq.block_size = drafts + 1
 
     def _fail(self, seq: Sequence, error: Exception) -> SeqUpdate:
         """Finish `seq` with an error, keeping (cached) only the KV of its committed tokens."""

@@ -48,7 +48,8 @@ class BatchItem:
     num_tokens: int
     draft: list[int] | None = None
     masks: list[torch.Tensor] | None = None  # constrained verify: allowed tokens per block row
-    predicted: bool = False             # the drafts are the caller's prediction, not the drafter's
+    source: str = "drafter"             # of the drafts: "drafter", "prediction" (the caller's)
+                                        # or "context" (engine.lookup)
     cost: StepCost | None = None        # the step costs its verify length was chosen with
     start: int = field(init=False)
     verifies: bool = field(init=False)

@@ -10,6 +10,7 @@ import torch
 
 from .constraint import TokenConstraint
 from .kv.manager import SeqKV
+from .lookup import ContextIndex
 from .sampler import SamplingParams
 
 
@@ -33,6 +34,10 @@ class SeqCounters:
     draft_context_tokens: int = 0     # positions whose drafter context K/V was computed
     prediction_tokens: int = 0        # tokens of the caller's prediction (Predicted Outputs)
     prediction_accepted: int = 0      # of those, reproduced by the output (OpenAI's accepted)
+    lookups: int = 0                  # verify steps whose drafts were read from the context
+    lookup_tokens: int = 0            # tokens they proposed
+    lookup_accepted: int = 0          # of those, accepted by the target
+    lookup_committed: int = 0         # tokens those steps committed
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per verify
     accepted_per_position: list[int] = field(default_factory=list)  # index k: draft k accepted
     drafts: list[list[int]] | None = None  # proposals per step, when tracing
@@ -83,6 +88,13 @@ class Sequence:
     cooldown: int = 0
     backoff: int = 1
     prediction: list[int] | None = None  # the caller's guess of the output, while it holds
+    # with step costs: its tokens indexed for context drafts (engine.lookup), the next step's
+    # context drafts and their match length where they pay more than the drafter's block, and
+    # the tokens per plain step of cost its recent drafted steps committed
+    index: ContextIndex | None = None
+    lookup: list[int] | None = None
+    lookup_match: int = 0
+    draft_rate: float = 2.0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: Exception | None = None
     counters: SeqCounters = field(default_factory=SeqCounters)

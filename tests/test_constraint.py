@@ -103,7 +103,7 @@ def test_step_costs_choose_a_constrained_requests_verify_length_too(pair):
     steep = StepCost((0.0,) * 8, tuple(1.0 + 0.5 * k for k in range(8)))  # a token: +0.5
     for cost in (steep, None):
         engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                        spec=SpecConfig(8, cost=cost, draft_rows=3))
+                        spec=SpecConfig(8, cost=cost, draft_rows=3, lookup=False))
         for prompt, want in zip(prompts, plain):
             done, steps = drafted_steps(engine, prompt, params, Cycle(40))
             assert done.output_ids == want.output_ids
@@ -112,6 +112,26 @@ def test_step_costs_choose_a_constrained_requests_verify_length_too(pair):
                 assert max(drafted) == 7
             else:  # only drafts the drafter is sure enough of (this one never is, of many)
                 assert max(drafted) <= 3 and min(drafted) == 0
+
+
+def test_context_drafts_follow_the_grammar_losslessly(pair):
+    """Context drafts (engine.lookup) under a grammar: cut where it rejects them, judged under
+    its masks, rolled back with it; the output stays the plain constrained output."""
+    model, drafter = pair
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [p * 3 for p in prompts_for(4, VOCAB, seed=6)]  # repeats to read drafts from
+    plain, _, _ = run(model, None, prompts, params, [60] * len(prompts))
+    steep = StepCost((0.0,) + (0.3,) * 7, tuple(1.0 + 0.2 * k for k in range(8)))
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(8, cost=steep))
+    constraints = [Cycle(60) for _ in prompts]
+    ids = [engine.submit(p, params, constraint=c) for p, c in zip(prompts, constraints)]
+    while engine.has_work():
+        engine.step()
+    done = [engine.result(i) for i in ids]
+    assert [c.output_ids for c in done] == [c.output_ids for c in plain]
+    assert all(obeys(c.output_ids, 60) for c in done)
+    assert engine.counters.lookups > 0 and engine.counters.lookup_accepted > 0
+    engine.kv.check_integrity()
 
 
 def test_constrained_sampling_stays_in_grammar(pair):

@@ -167,17 +167,21 @@ def chi_square_pvalue(counts: Counter, expected: dict[tuple, float], total: int)
     return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, max_new_tokens=3),
-    SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=3),
-    SamplingParams(temperature=1.5, top_k=3, max_new_tokens=3),
+FREE = StepCost((0.0,) * 3, (1.0,) * 3)  # verifying costs nothing: drafts of either kind
+
+
+@pytest.mark.parametrize("params,cost", [
+    (SamplingParams(temperature=1.0, max_new_tokens=3), None),
+    (SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=3), None),
+    (SamplingParams(temperature=1.5, top_k=3, max_new_tokens=3), None),
+    (SamplingParams(temperature=1.0, max_new_tokens=4), FREE),  # context drafts too
 ])
-def test_speculative_sampling_matches_target_distribution(tmp_path, params):
+def test_speculative_sampling_matches_target_distribution(tmp_path, params, cost):
     model, drafter = build(tmp_path, vocab=5, seed=2)
     prompt = [1, 3, 0, 2]
-    expected = exact_joint(model, prompt, params, 3)
+    expected = exact_joint(model, prompt, params, params.max_new_tokens)
     engine = Engine(model, CacheConfig(4, 4096), SchedulerConfig(max_running=128),
-                    drafter=drafter, spec=SpecConfig(3))
+                    drafter=drafter, spec=SpecConfig(3, cost=cost))
     total, counts = 4000, Counter()
     for start in range(0, total, 500):
         seeded = [SamplingParams(**{**params.__dict__, "seed": s})
@@ -185,11 +189,14 @@ def test_speculative_sampling_matches_target_distribution(tmp_path, params):
         for c in engine.generate([prompt] * 500, seeded):
             counts[tuple(c.output_ids)] += 1
     assert engine.counters.accepted_tokens > 0 and engine.counters.draft_forwards > 0
+    if cost is not None:
+        assert engine.counters.lookup_accepted > 0
     assert set(counts) <= set(expected), "sampled a token the distribution excludes"
     assert chi_square_pvalue(counts, expected, total) > 1e-3
     # the test has power: the same samples are rejected against a sharper target distribution
     sharper = SamplingParams(**{**params.__dict__, "temperature": params.temperature * 0.5})
-    assert chi_square_pvalue(counts, exact_joint(model, prompt, sharper, 3), total) < 1e-3
+    assert chi_square_pvalue(counts, exact_joint(model, prompt, sharper, params.max_new_tokens),
+                             total) < 1e-3
 
 
 def test_bad_speculative_settings_are_clear(tmp_path, pair):
@@ -259,7 +266,7 @@ def test_step_costs_and_confidence_choose_the_verify_length_losslessly(pair):
     steep = StepCost((0.0,) * 8, tuple(1.0 + 0.5 * k for k in range(8)))  # a token: +0.5
     for cost in (free, steep, None):
         engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                        spec=SpecConfig(8, cost=cost, draft_rows=3))
+                        spec=SpecConfig(8, cost=cost, draft_rows=3, lookup=False))
         for prompt, want in zip(prompts, plain):
             done, steps = drafted_steps(engine, prompt, params)
             assert done.output_ids == want.output_ids
@@ -274,14 +281,15 @@ def test_step_costs_and_confidence_choose_the_verify_length_losslessly(pair):
 
 def test_a_drafter_that_does_not_pay_backs_off_at_doubling_gaps(pair):
     """A drafted step that commits fewer tokens than the plain steps it cost is followed by
-    plain steps without the drafter: 1, then 2, 4, .. up to max_backoff (lossless)."""
+    plain steps without the drafter: 1, then 2, 4, .. up to max_backoff (lossless). (The
+    drafter's own pacing: no context drafts, which would take the place of its steps.)"""
     model, drafter = pair
     prompt = prompts_for(1, 16, seed=78)[0]
     params = SamplingParams(max_new_tokens=80, ignore_eos=True)
     (plain,) = Engine(model, CacheConfig(4, 512)).generate([prompt], params)
     dear = StepCost((0.0,) + (100.0,) * 7, (1.0,) * 8)          # the drafter never pays
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                    spec=SpecConfig(8, cost=dear, max_backoff=8))
+                    spec=SpecConfig(8, cost=dear, max_backoff=8, lookup=False))
     done, steps = drafted_steps(engine, prompt, params)
     assert done.output_ids == plain.output_ids
     ran = [i for i, (r, _, _) in enumerate(steps) if r]
@@ -294,7 +302,7 @@ def test_draft_rows_grow_after_full_acceptance_and_shrink_back(pair):
     model, drafter = pair
     cheap = StepCost((0.0,) + (0.1,) * 15, (1.0,) * 16)
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                    spec=SpecConfig(16, cost=cheap, draft_rows=3))
+                    spec=SpecConfig(16, cost=cheap, draft_rows=3, lookup=False))
     seq_id = engine.submit(prompts_for(1, 16, seed=80)[0], SamplingParams(max_new_tokens=60))
     seq = engine._seqs[seq_id]
     while not seq.output_ids:
@@ -314,6 +322,36 @@ def test_draft_rows_grow_after_full_acceptance_and_shrink_back(pair):
     engine._pace(seq, BatchItem(seq, 4), 0, 0, 1)      # one token for a drafter and a verify
     assert seq.cooldown == 1 and seq.block_size == 1
     engine.abort(seq_id)
+
+
+def test_context_drafts_are_verified_losslessly_where_they_pay(pair):
+    """With step costs, a step may verify drafts read from the request's own context instead
+    of the drafter's (engine.lookup): greedy output stays plain output, alone or batched, and
+    the counters tell the two kinds of drafts apart."""
+    model, drafter = pair
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = prompts_for(6, 16, seed=81)
+    plain = Engine(model, CacheConfig(4, 512)).generate(prompts, params)
+    steep = StepCost((0.0,) + (0.3,) * 7, tuple(1.0 + 0.2 * k for k in range(8)))
+    for batch in (1, 3):
+        engine = Engine(model, CacheConfig(4, 512), SchedulerConfig(max_running=batch),
+                        drafter=drafter, spec=SpecConfig(8, cost=steep))
+        done = engine.generate(prompts, params)
+        assert [c.output_ids for c in done] == [c.output_ids for c in plain], batch
+        c = engine.counters
+        assert c.lookups > 0 and 0 < c.lookup_accepted <= c.lookup_tokens, batch
+        for d in done:  # every token after the first: from a plain, drafted or context step
+            k = d.counters
+            plain_steps = k.decode_tokens - k.draft_forwards - k.draft_tokens - k.lookups \
+                - k.lookup_tokens
+            assert plain_steps + sum(k.acceptance_lengths) + k.lookup_committed \
+                == len(d.output_ids) - 1
+        engine.kv.check_integrity()
+        assert engine.stats()["pages_referenced"] == 0
+    off = Engine(model, CacheConfig(4, 512), drafter=drafter,
+                 spec=SpecConfig(8, cost=steep, lookup=False))
+    assert [c.output_ids for c in off.generate(prompts, params)] == [c.output_ids for c in plain]
+    assert off.counters.lookups == 0
 
 
 def test_measured_step_costs_are_relative_to_a_plain_step(pair):

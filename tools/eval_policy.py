@@ -11,7 +11,8 @@ policy's run therefore has a deterministic cost: the sum over its steps of the d
 forward for the drafts it computed plus the verify of the tokens it fed, in plain steps. This
 tool prints tokens committed per plain step of that cost (the modeled speedup over plain
 decoding, the drafter's context store not counted) for:
-- the engine's own policy (speculation="auto" with these costs), run for real;
+- the engine's own policy (speculation="auto" with these costs), run for real, with and without
+  its context drafts (engine.lookup: a step that verifies those costs a verify, no drafter);
 - every fixed verify length k (a drafter forward of k - 1 drafts and a verify of k tokens each
   step), and the best any policy could do knowing each anchor's acceptance in hindsight
   (dynamic programming over the positions): the first run records the drafter's block at every
@@ -86,7 +87,8 @@ def replay(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                 for u in engine.step():
                     if u.seq_id == seq_id and u.new_token_ids and not prefilling:
                         c = scored.cost_at(1, context)
-                        cost += (c.draft[rows[0]] if rows else 0.0) + c.verify[u.draft_tokens]
+                        cost += ((c.draft[rows[0]] if rows else 0.0)
+                                 + c.verify[u.draft_tokens + u.lookup_tokens])
                         tokens += len(u.new_token_ids)
     finally:
         engine.runner.draft = draft
@@ -185,6 +187,10 @@ def main() -> None:
             engine.spec = dataclasses.replace(scored, cost=step_cost(decide["cost"]),
                                               long_cost=step_cost(decide["long"]))
         print(f"  auto (this engine's policy): {replay(engine, prompts, params, scored):.3f}")
+        no_lookup = dataclasses.replace(engine.spec, lookup=False)
+        engine.spec, decided = no_lookup, engine.spec
+        print(f"  auto without context drafts: {replay(engine, prompts, params, scored):.3f}")
+        engine.spec = decided
         engine.spec = scored  # the fixed lengths and hindsight by the scoring costs
         runs = [(len(p), *anchors(engine, p, params)) for p in prompts]
         for name, value in hindsight(engine, runs).items():
