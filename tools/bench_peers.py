@@ -15,9 +15,10 @@ greedy tokens), and DFlash's tau (tokens committed per verify step). Models and 
   bfcl-eval wheel, read, never installed) rendered as tools/eval_drafter.py does. An extra column
   runs DFlash stopping at eos, tokens/s over the tokens actually produced; "DFlash auto" is
   Runtime.load's default speculation (step costs measured before timing, then each request
-  verifies as many drafts as pay for its acceptance, or none), and "DFlash auto, eos" the same
+  verifies as many drafts as pay for its acceptance, or none: the drafter's, or drafts read
+  from its own context where those pay more, engine.lookup), and "DFlash auto, eos" the same
   stopping at eos, as an agent's requests do: past eos a model writes text no agent reads, and
-  the drafter never trained on.
+  the drafter never trained on. "no lookup": the drafter's drafts only.
 - 0.6b: a random bf16 checkpoint of Qwen3-0.6B's shape (seed 0), prompts of 1000 random token
   ids. Its tokenizer is the 11m's byte-level BPE grown to 151936 entries, each new one the merge
   of two older ones (llama.cpp's converter needs BPE merges; vLLM detokenizes every id it
@@ -230,11 +231,13 @@ def agent_prompts(cache: Path, n: int, lo: int = 500, hi: int = 3000) -> list[li
 
 def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: Path | None = None,
                     ignore_eos: bool = True, quantize: str | None = None,
-                    compile: bool = True, auto: bool = False) -> list[Run]:
+                    compile: bool = True, auto: bool = False, lookup: bool = True) -> list[Run]:
     """Runs on the project's engine (its default fast path; compile=False: eager forwards),
     in this process. A compile happens when the engine is made, before anything is timed.
     auto: speculation as `Runtime.load`'s default ("auto"): the step costs measured first, then
-    each request verifies the number of drafts that pays for its acceptance (or none)."""
+    each request verifies the number of drafts that pays for its acceptance (or none), the
+    drafter's or, where they pay more, drafts read from its context (lookup=False: the
+    drafter's only)."""
     import dataclasses
 
     import torch
@@ -247,11 +250,12 @@ def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: 
         with torch.inference_mode():
             long = min(2048, engine.max_model_len // 2)   # as Runtime.load measures them
             engine.spec = dataclasses.replace(engine.spec, cost=engine.measure_step_cost(),
-                                              long_cost=engine.measure_step_cost(context=long))
+                                              long_cost=engine.measure_step_cost(context=long),
+                                              lookup=lookup)
 
     def run(prompt: list[int], params: SamplingParams) -> Run:
         c = engine.counters
-        verifies, accepted = c.draft_forwards, c.accepted_tokens
+        verifies, accepted, lookups = c.draft_forwards, c.accepted_tokens, c.lookups
         t0, first = time.perf_counter(), None
         seq = engine.submit(prompt, params, reuse=False)  # no prefix reuse between requests
         while engine.has_work():
@@ -262,7 +266,8 @@ def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: 
         if done.error is not None:
             raise done.error
         return {"output": done.output_ids, "ttft_s": first - t0, "decode_s": end - first,
-                "verifies": c.draft_forwards - verifies, "accepted": c.accepted_tokens - accepted}
+                "verifies": c.draft_forwards - verifies, "accepted": c.accepted_tokens - accepted,
+                "lookups": c.lookups - lookups}
 
     with torch.inference_mode():
         run(prompts[0][-64:], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
@@ -386,6 +391,7 @@ def summary(runs: list[Run], reference: list[Run] | None) -> dict[str, Any]:
     verifies = sum(r.get("verifies", 0) for r in runs)
     if verifies:  # DFlash: tokens committed per verify step (tau)
         out["mean_acceptance_length"] = 1 + sum(r["accepted"] for r in runs) / verifies
+        out["lookups"] = sum(r.get("lookups", 0) for r in runs)  # context-draft verify steps
     if reference is not None:  # how many first tokens each output shares with agentflash plain's
         out["common_prefix"] = [common_prefix(r["output"], p["output"])
                                 for r, p in zip(runs, reference, strict=True)]
@@ -421,6 +427,10 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
                                                                     auto=True)
         engines["agentflash DFlash auto, eos"] = lambda: agentflash_runs(
             model_dir, prompts, new, draft, ignore_eos=False, auto=True)
+        engines["agentflash DFlash auto, no lookup"] = lambda: agentflash_runs(
+            model_dir, prompts, new, draft, auto=True, lookup=False)
+        engines["agentflash DFlash auto, no lookup, eos"] = lambda: agentflash_runs(
+            model_dir, prompts, new, draft, ignore_eos=False, auto=True, lookup=False)
         engines["agentflash int8 DFlash"] = lambda: agentflash_runs(model_dir, prompts, new, draft,
                                                                     quantize="int8")
         engines["agentflash int8 DFlash auto"] = lambda: agentflash_runs(
@@ -445,7 +455,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()  # an agentflash engine's memory, before the next engine loads
         results["engines"][label] = r = summary(runs, plain)
         plain = plain or runs
-        tau = f", tau {r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
+        tau = (f", tau {r['mean_acceptance_length']:.2f}, {r['lookups']} context-draft steps"
+               if "mean_acceptance_length" in r else "")
         print(f"[{name}] {label}: {r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_ms']:.0f} ms{tau}",
               flush=True)
     return results
@@ -455,8 +466,8 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     columns = ["llama.cpp", "llama.cpp q8_0", "vLLM", "agentflash eager", "agentflash plain",
                "agentflash int8",
                "agentflash DFlash", "agentflash DFlash, eos", "agentflash DFlash auto",
-               "agentflash DFlash auto, eos",
-               "agentflash int8 DFlash", "agentflash int8 DFlash auto"]
+               "agentflash DFlash auto, eos", "agentflash DFlash auto, no lookup",
+               "agentflash DFlash auto, no lookup, eos", "agentflash int8 DFlash", "agentflash int8 DFlash auto"]
     columns = [c for c in columns if any(c in m["engines"] for m in results.values())]
     titles = {"11m": "agentflash-11m", "0.6b": "Qwen3-0.6B-shaped random bf16"}
     lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
