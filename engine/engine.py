@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Sequence as Seq
+from typing import Callable, Iterable, Literal, Sequence as Seq
 
 import torch
 
@@ -376,7 +376,8 @@ class Engine:
         self.counters.step_s += time.perf_counter() - t_step
         return updates
 
-    def _propose(self, item: BatchItem, tokens: list[int], source: str) -> RequestError | None:
+    def _propose(self, item: BatchItem, tokens: list[int],
+                 source: Literal["prediction", "context"]) -> RequestError | None:
         """Fill a verify item's drafts with `tokens`, the caller's prediction or context drafts
         (cut by its grammar)."""
         seq = item.seq

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -48,8 +48,8 @@ class BatchItem:
     num_tokens: int
     draft: list[int] | None = None
     masks: list[torch.Tensor] | None = None  # constrained verify: allowed tokens per block row
-    source: str = "drafter"             # of the drafts: "drafter", "prediction" (the caller's)
-                                        # or "context" (engine.lookup)
+    # whose drafts: the drafter's, the caller's prediction, or read from the context (engine.lookup)
+    source: Literal["drafter", "prediction", "context"] = "drafter"
     cost: StepCost | None = None        # the step costs its verify length was chosen with
     start: int = field(init=False)
     verifies: bool = field(init=False)

@@ -90,7 +90,9 @@ class Sequence:
     prediction: list[int] | None = None  # the caller's guess of the output, while it holds
     # with step costs: its tokens indexed for context drafts (engine.lookup), the next step's
     # context drafts and their match length where they pay more than the drafter's block, and
-    # the tokens per plain step of cost its recent drafted steps committed
+    # the tokens per plain step of cost its recent drafted steps committed (2.0 before the
+    # first: until the drafter shows otherwise, only drafts expected to double plain decoding
+    # take its place)
     index: ContextIndex | None = None
     lookup: list[int] | None = None
     lookup_match: int = 0

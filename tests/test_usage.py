@@ -103,6 +103,23 @@ def test_token_pricing_is_the_price_sheet():
             Pricing(**bad)
 
 
+def test_speculation_savings_count_context_draft_steps():
+    """Steps that verified context drafts (engine.lookup, no drafter forward) are speculation:
+    the plain steps they replaced are saved, and they are not taken for plain steps."""
+    from agentflash.engine.sequence import SeqCounters
+
+    # 10 plain steps of 1 ms and 5 context-draft steps of 1.5 ms that fed 1 + 3 tokens each
+    # and committed 12 tokens in all
+    c = SeqCounters(decode_tokens=10 + 5 * 4, lookups=5, lookup_tokens=15, lookup_accepted=7,
+                    lookup_committed=12, decode_compute_s=0.010 + 0.0075,
+                    verify_compute_s=0.0075)
+    u = Usage.from_counters(c, 100, 23, 10, 0, 16, "cpu", 0.0, 1.0, HOURLY)
+    assert u.speculative.lookups == 5 and u.speculative.lookup_accepted == 7
+    assert u.speculative.drafts == 0
+    # 12 tokens at 1 ms a plain step, against the 7.5 ms those steps took (1e-3 USD a second)
+    assert u.cost.saved_by_speculation_usd == pytest.approx((0.012 - 0.0075) * 1e-3)
+
+
 @pytest.mark.anyio
 async def test_run_log_has_a_record_per_step_and_tool_call(rt):
     before = len(rt.log.path.read_text().splitlines())
