@@ -134,10 +134,8 @@ class Cost(BaseModel):
             return cost
         rate = pricing.usd_per_hour / 3600
         per_prefill_token = c.prefill_compute_s / c.prefill_tokens if c.prefill_tokens else 0.0
-        plain_steps = (c.decode_tokens - c.draft_forwards - c.draft_tokens  # verify fed 1 + drafts
-                       - c.lookups - c.lookup_tokens)
-        if plain_steps >= 4:  # this request's own plain steps (speculation stopped, or never ran)
-            plain_decode_s = (c.decode_compute_s - c.verify_compute_s) / plain_steps
+        if c.plain_steps >= 4:  # this request's own plain steps (speculation stopped, or never ran)
+            plain_decode_s = (c.decode_compute_s - c.verify_compute_s) / c.plain_steps
         plain = (sum(c.acceptance_lengths) + c.lookup_committed) * plain_decode_s
         return cls(
             usd=rate * (c.prefill_compute_s + c.decode_compute_s + c.draft_compute_s),

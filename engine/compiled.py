@@ -81,7 +81,7 @@ def cache_dir() -> Path:
 
 def compile_enabled() -> bool:
     """$AGENTFLASH_COMPILE=0 turns the compiled step off where an engine is not told."""
-    return os.environ.get("AGENTFLASH_COMPILE", "1").lower() not in ("0", "false", "no", "off")
+    return cpu_ops.env_switch("AGENTFLASH_COMPILE")
 
 
 DEFAULT_MAX_BYTES = 2 << 30

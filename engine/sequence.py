@@ -56,6 +56,12 @@ class SeqCounters:
     draft_compute_s: float = 0.0
 
     @property
+    def plain_steps(self) -> int:
+        """Decode steps that fed one token: a verify fed its anchor and its drafts."""
+        return (self.decode_tokens - self.draft_forwards - self.draft_tokens - self.lookups
+                - self.lookup_tokens)
+
+    @property
     def acceptance_histogram(self) -> dict[int, int]:
         """Verify steps by tokens committed (tau)."""
         hist: dict[int, int] = {}

@@ -96,14 +96,14 @@ def source_paths(chosen: Isa) -> list[Path]:
 def build_flags(chosen: Isa) -> tuple[str, ...]:
     """The compiler flags of one instruction set's library on this CPU: its own, and those of
     its extras the CPU has (none with $AGENTFLASH_CPU_EXTRAS=0)."""
-    if not _switch("AGENTFLASH_CPU_EXTRAS"):
+    if not env_switch("AGENTFLASH_CPU_EXTRAS"):
         return chosen.flags
     flags = _cpu_flags()
     return chosen.flags + tuple(flag for cpu, flag in chosen.extras if cpu in flags)
 
 
-def _switch(name: str) -> bool:
-    """An on/off environment variable, on unless set to 0, false, no or off."""
+def env_switch(name: str) -> bool:
+    """An on/off environment variable of agentflash's, on unless set to 0, false, no or off."""
     return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
 
 
@@ -158,7 +158,7 @@ def source_digest() -> str:
 
 def enabled() -> bool:
     """$AGENTFLASH_CPU_KERNELS=0 keeps the torch path everywhere (for comparisons)."""
-    return _switch("AGENTFLASH_CPU_KERNELS")
+    return env_switch("AGENTFLASH_CPU_KERNELS")
 
 
 @functools.cache

@@ -63,9 +63,9 @@ def obeys(output: list[int], length: int) -> bool:
     return all(t % 3 == k % 3 and t != STOP for k, t in enumerate(body)) and len(body) <= length
 
 
-def run(model, drafter, prompts, params, lengths, block=None):
+def run(model, drafter, prompts, params, lengths, block=None, spec=None):
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                    spec=SpecConfig(block) if block else SpecConfig())
+                    spec=spec or (SpecConfig(block) if block else SpecConfig()))
     constraints = [Cycle(n) for n in lengths]
     ids = [engine.submit(p, params, constraint=c) for p, c in zip(prompts, constraints)]
     while engine.has_work():
@@ -122,12 +122,8 @@ def test_context_drafts_follow_the_grammar_losslessly(pair):
     prompts = [p * 3 for p in prompts_for(4, VOCAB, seed=6)]  # repeats to read drafts from
     plain, _, _ = run(model, None, prompts, params, [60] * len(prompts))
     steep = StepCost((0.0,) + (0.3,) * 7, tuple(1.0 + 0.2 * k for k in range(8)))
-    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(8, cost=steep))
-    constraints = [Cycle(60) for _ in prompts]
-    ids = [engine.submit(p, params, constraint=c) for p, c in zip(prompts, constraints)]
-    while engine.has_work():
-        engine.step()
-    done = [engine.result(i) for i in ids]
+    done, _, engine = run(model, drafter, prompts, params, [60] * len(prompts),
+                          spec=SpecConfig(8, cost=steep))
     assert [c.output_ids for c in done] == [c.output_ids for c in plain]
     assert all(obeys(c.output_ids, 60) for c in done)
     assert engine.counters.lookups > 0 and engine.counters.lookup_accepted > 0
