@@ -45,6 +45,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="write --max-new-tokens tokens, past eos (for benchmarks and tests)")
     p.add_argument("--dtype", default="auto", help="auto|float32|bfloat16|float16|float64")
     p.add_argument("--device", default="auto", help="cpu|cuda|auto")
     p.add_argument("--quantize", choices=["int8"], default=None,
@@ -118,6 +120,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), stop_token_ids=end_of_turn,
+        ignore_eos=args.ignore_eos,
     )
     t0 = time.perf_counter()
     (done,) = engine.generate([prompt], params, trace=args.trace)

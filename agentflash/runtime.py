@@ -151,6 +151,9 @@ def _off_this_thread(fn: Callable[[], T]) -> T:
 class Runtime:
     """A loaded model + drafter served by one engine thread. Use `Runtime.load(...)`."""
 
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+    """What session TTLs are measured with (a test sets a fake one)."""
+
     def __init__(self, engine: Engine, tokenizer: Any, model_dir: Path | None = None,
                  drafter_dir: Path | None = None, session_ttl: float | None = None,
                  pricing: Pricing | None = None, log: str | Path | None = None,
@@ -366,8 +369,9 @@ class Runtime:
         longest idle first, when a request needs its pages."""
         ttl = self.session_ttl if ttl is None else ttl
         if pin is not None and ttl is not None:
+            now = self.clock()  # the TTL runs from the call, not from when the engine gets it
+
             def track() -> None:
-                now = time.monotonic()
                 self._pins[id(pin)] = (pin, now + ttl, now)
             self._post(track)
 
@@ -414,13 +418,13 @@ class Runtime:
                     self._expire_pins()
                 commands = list(self._inbox)
                 self._inbox.clear()
+            self._expire_pins()  # first: what a command reads (stats) is current
             for command in commands:
                 command()
             if self._closed:
                 return
             if self.engine.has_work():
                 self._step()
-            self._expire_pins()
 
     def _step(self) -> None:
         try:
@@ -453,10 +457,10 @@ class Runtime:
     def _next_expiry(self) -> float | None:
         if not self._pins:
             return None
-        return max(0.0, min(t for _, t, _ in self._pins.values()) - time.monotonic())
+        return max(0.0, min(t for _, t, _ in self._pins.values()) - self.clock())
 
     def _expire_pins(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for pin, deadline, _ in list(self._pins.values()):
             if deadline <= now:
                 self._release(pin)

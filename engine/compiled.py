@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from agentflash.kernels import cpu_ops, reference
+from agentflash.kernels import cpu_ops, disk_cache, reference
 
 from . import attention as attention_module
 from . import forward as forward_module
@@ -76,7 +76,7 @@ _SOURCES = (reference, attention_module, forward_module, cpu_ops, dflash, kernel
 
 def cache_dir() -> Path:
     """Where compiled programs live: $AGENTFLASH_CACHE_DIR/compiled, else the user cache."""
-    return cpu_ops.cache_root() / "compiled"
+    return disk_cache.root() / "compiled"
 
 
 def compile_enabled() -> bool:
@@ -132,11 +132,15 @@ class CompiledProgram:
         t0 = time.perf_counter()
         path = (directory or cache_dir()) / f"{name}-{key}.pt2"
         compiled = not path.exists()
-        if compiled:
-            log.warning("compiling the %s for this CPU (once; cached in %s)", name, path.parent)
-            _compile(make, path, kernels)
-            _prune(path.parent)
-        else:
+        if compiled:  # one process compiles it; another that wants it too waits, then loads it
+            with disk_cache.locked(path.with_suffix(".lock"), f"compiling the {name} ({path})"):
+                compiled = not path.exists()
+                if compiled:
+                    log.warning("compiling the %s for this CPU (once; cached in %s)", name,
+                                path.parent)
+                    _compile(make, path, kernels)
+                    _prune(path.parent)
+        if not compiled:
             path.touch()  # recently used: pruned last
         run = torch._inductor.aoti_load_package(str(path))
         seconds = time.perf_counter() - t0
@@ -223,10 +227,27 @@ size and code version has its own)."""
 
 
 def _prune(directory: Path) -> None:
+    """Drop the least recently used packages beyond `KEEP` (with their lock files), and what
+    compiles killed midway left (partial packages of processes that are gone)."""
     packages = sorted((p for p in directory.glob("*.pt2") if ".partial." not in p.name),
                       key=lambda p: p.stat().st_mtime, reverse=True)
     for old in packages[KEEP:]:
         old.unlink(missing_ok=True)
+        old.with_suffix(".lock").unlink(missing_ok=True)
+    for partial in directory.glob("*.partial.pt2"):
+        pid = partial.name.split(".")[-3]
+        if pid.isdigit() and not _alive(int(pid)):
+            partial.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def cache_key(model: CausalLM, drafter: DFlashDraftModel | None = None, *extra) -> str:
@@ -370,7 +391,10 @@ def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
     sees the float32 sum or its bfloat16 rounding depends on how the kernels are cut: that
     differs between the target's program alone and the one that also stores the drafter's
     context (which reads the residual stream of some layers), and a plain engine's rows would
-    not be a speculative engine's rows bit for bit. Returns how many adds were folded."""
+    not be a speculative engine's rows bit for bit. Returns how many adds were folded (none
+    where the kernels are not loaded: the program has none of their ops)."""
+    if not cpu_ops.loaded():
+        return 0
     ops = torch.ops.agentflash
     linears = (ops.linear_bf16.default, ops.linear_int8.default, ops.linear_int8_dynamic.default)
     graph = program.graph_module.graph

@@ -27,7 +27,8 @@ are bitwise the decode steps' rows (what greedy speculative decoding needs to eq
 decoding); the sets' numbers differ from each other in the last bits. The library is built
 from source with torch's C++ extension loader the first time a process needs it (~20 s on 2
 cores; needs a C++ compiler), cached under $AGENTFLASH_CACHE_DIR (else ~/.cache/agentflash) by
-the sources' digest, and loaded in milliseconds afterwards. `available()` says whether the ops
+the sources' digest (kernels.disk_cache: a build killed midway is redone, never loaded), and
+loaded in milliseconds afterwards. `available()` says whether the ops
 run here; where they do not (no AVX2, no compiler, $AGENTFLASH_CPU_KERNELS=0) callers keep the
 torch path. $AGENTFLASH_CPU_ISA=avx2 (or avx512) builds that set on a CPU that has a better
 one, and $AGENTFLASH_CPU_EXTRAS=0 builds it without the optional instructions this CPU adds to
@@ -48,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from . import disk_cache
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +108,6 @@ def build_flags(chosen: Isa) -> tuple[str, ...]:
 def env_switch(name: str) -> bool:
     """An on/off environment variable of agentflash's, on unless set to 0, false, no or off."""
     return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
-
-
-def cache_root() -> Path:
-    """agentflash's on-disk cache: $AGENTFLASH_CACHE_DIR, else the user cache directory."""
-    root = os.environ.get("AGENTFLASH_CACHE_DIR")
-    if root is None:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                            "agentflash")
-    return Path(root)
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -180,14 +174,26 @@ def load() -> str | None:
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         name = f"agentflash_cpu_{chosen.name.replace('-', '_')}_{source_digest()}"
-        build = cache_root() / "kernels" / name
-        build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(path) for path in source_paths(chosen)],
-                           extra_cflags=["-O3", "-fopenmp", *build_flags(chosen)],
-                           extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
-                           build_directory=str(build), is_python_module=False)
+        build = disk_cache.root() / "kernels" / name
+        library = build / f"{name}.so"
+        complete = build / "complete"  # written once the library built and loaded
+        with disk_cache.locked(build.with_name(f"{name}.lock"),
+                               f"building agentflash's CPU kernels in {build}"):
+            if complete.exists():
+                torch.ops.load_library(str(library))
+            else:
+                # what a killed build left (torch's own lock file among it) goes
+                shutil.rmtree(build, ignore_errors=True)
+                build.mkdir(parents=True)
+                log.warning("building agentflash's CPU kernels for %s (once per machine, about "
+                            "30 s on 2 cores) in %s", chosen.name, build)
+                cpp_extension.load(name=name, sources=[str(p) for p in source_paths(chosen)],
+                                   extra_cflags=["-O3", "-fopenmp", *build_flags(chosen)],
+                                   extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
+                                   build_directory=str(build), is_python_module=False)
+                complete.touch()
         # its symbols global: compiled programs call the ops' C shims (shims.cpp) by name
-        ctypes.CDLL(str(build / f"{name}.so"), mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        ctypes.CDLL(str(library), mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except Exception as error:  # no compiler, no ninja, a failed build
         return f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[-1][:300]}"
     _register_fakes()

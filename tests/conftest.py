@@ -3,26 +3,18 @@ Triton in interpreter mode on machines without CUDA."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import anyio
 import pytest
 import torch
-
-# The repository's kernels/ and engine/ are installed as agentflash.kernels and agentflash.engine
-# (pyproject's package-dir). `python -m pytest` puts the repository root on sys.path, where
-# kernels/ would stand in for Hugging Face's `kernels` package, which transformers >= 5.25
-# imports: tests see agentflash only by its installed names.
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
 
 # Without CUDA, Triton kernels run in Triton's CPU interpreter. Triton reads the switch when it is
 # first imported (transformers and xgrammar import it too), so it is set before any test module.
@@ -33,6 +25,23 @@ if not torch.cuda.is_available():
 # ~35 s per model, and most tests build engines on fresh random models. Compiled programs go to
 # one directory per test session (tests/test_compiled.py and the bf16 equality tests use it).
 os.environ["AGENTFLASH_COMPILE"] = "0"
+
+import skips  # noqa: E402  (after the switches above: it imports agentflash)
+from agentflash.kernels import disk_cache  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI ($CI set), a skip that the machine's kind does not explain fails the test
+    (tests/skips.py lists the reasons a test may skip, and which kinds explain each)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("CI") and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2].removeprefix("Skipped: ")
+        if not skips.excused(reason):
+            report.outcome = "failed"
+            report.longrepr = (f"skipped under CI on a machine that should run it: {reason} "
+                               "(tests/skips.py lists the skips a machine's kind explains)")
 
 
 @pytest.fixture
@@ -74,6 +83,48 @@ def running(app: Any) -> Iterator[str]:
         thread.join(timeout=30)
 
 
+class EngineGate:
+    """Holds a runtime's engine thread right after its first step that gave a request tokens
+    and left it running (that step's updates delivered), until `release()`: whatever the
+    machine's speed, the request is then in flight and stays so (no step runs), while submits
+    and aborts queue up. How tests of cancellation and disconnects control time."""
+
+    HANG_S = 300.0  # a guard against a test that would otherwise hang, never a speed limit
+
+    def __init__(self, rt: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.held = threading.Event()
+        self._release = threading.Event()
+        self.running = 0  # requests running when the engine was held
+        engine_step, runtime_step = rt.engine.step, rt._step
+        gave_tokens = threading.Event()
+
+        def step() -> Any:
+            updates = engine_step()
+            if any(u.new_token_ids and not u.finished for u in updates):
+                gave_tokens.set()
+            return updates
+
+        def gated_step() -> None:
+            runtime_step()  # engine.step (the one above), then its updates delivered
+            if gave_tokens.is_set() and not self.held.is_set() and not self._release.is_set():
+                self.running = rt.engine.stats()["running"]  # the engine's thread: no race
+                self.held.set()
+                self._release.wait(self.HANG_S)
+
+        monkeypatch.setattr(rt.engine, "step", step)
+        monkeypatch.setattr(rt, "_step", gated_step)
+
+    def wait(self) -> None:
+        """Until the engine is held with a request running (from a thread)."""
+        assert self.held.wait(self.HANG_S), "no request ever ran"
+
+    async def wait_async(self) -> None:
+        await anyio.to_thread.run_sync(self.wait)
+
+    def release(self) -> None:
+        self._release.set()
+
+
 def assert_clean(rt: Any, timeout: float = 10.0) -> None:
     """No request left running and no page pinned or referenced (aborts settle on the engine
     thread, so give them a moment)."""
@@ -91,7 +142,14 @@ def assert_clean(rt: Any, timeout: float = 10.0) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def compiled_cache(tmp_path_factory):
-    os.environ["AGENTFLASH_CACHE_DIR"] = str(tmp_path_factory.mktemp("agentflash-cache"))
+    """Compiled programs go to a cache directory of this session's (compiled afresh from the
+    code under test); the CPU kernels' builds stay the user cache's, as for a user (built once
+    per machine: subprocesses need not build them again)."""
+    cache = tmp_path_factory.mktemp("agentflash-cache")
+    kernels = disk_cache.root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(kernels, target_is_directory=True)
+    os.environ["AGENTFLASH_CACHE_DIR"] = str(cache)
     yield
 
 TINY = dict(
@@ -282,19 +340,3 @@ def assert_rows_independent(layer, x: torch.Tensor) -> None:
     rows = [layer(x[i:i + 1]) for i in range(x.shape[0])]
     for m in range(2, x.shape[0] + 1):
         assert torch.equal(layer(x[:m]), torch.cat(rows[:m])), f"{m} rows"
-
-
-@functools.cache
-def bf16_gemm_rows_are_independent() -> bool:
-    """Whether this CPU's bfloat16 matmul gives rows the same bits in a call of any row count
-    up to 16 as in a call of 16, on the embedded model's layer shapes (oneDNN's kernels do with
-    native bf16 and held to AVX2; held to AVX512 without BF16, a few elements differ)."""
-    g = torch.Generator().manual_seed(0)
-    for fan_in, fan_out in ((384, 640), (384, 2048), (1024, 384)):
-        w = torch.randn(fan_out, fan_in, generator=g).to(torch.bfloat16)
-        x = torch.randn(16, fan_in, generator=g).to(torch.bfloat16)
-        block = torch.nn.functional.linear(x, w)
-        if not all(torch.equal(torch.nn.functional.linear(x[:m], w), block[:m])
-                   for m in range(1, 16)):
-            return False
-    return True

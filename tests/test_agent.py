@@ -16,6 +16,7 @@ import pytest
 from agentflash import Agent, Runtime, StepEvent, TextEvent, ToolCallEvent, tool
 from agentflash.errors import (AgentClosedError, ContextLengthError, MissingToolResultError,
                                ToolDefinitionError, ToolSchemaError)
+from conftest import EngineGate
 
 SAMPLE = Path(__file__).parent / "data" / "bfcl_sample.jsonl"
 
@@ -34,8 +35,8 @@ def explode(reason: str) -> str:
 
 @tool(timeout=0.2)
 async def slow(seconds: int) -> str:
-    """Sleeps far longer than its timeout."""
-    await anyio.sleep(30)
+    """Never finishes: it waits on an event nobody sets."""
+    await anyio.Event().wait()
     return "done"
 
 
@@ -269,13 +270,17 @@ async def test_fork_shares_the_prefix_and_diverges(rt):
 
 
 @pytest.mark.anyio
-async def test_cancelled_step_releases_everything_and_loses_nothing(rt):
+async def test_cancelled_step_releases_everything_and_loses_nothing(rt, monkeypatch):
     agent = Agent(rt, tools=[add], max_tokens=400, constrained=False)
     await agent.step("Add 1 and 2.")
     before = list(agent.messages)
-    with anyio.move_on_after(0.3) as scope:
-        await agent.step("Write a very long story about the sea.")
-    assert scope.cancelled_caught
+    gate = EngineGate(rt, monkeypatch)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(agent.step, "Write a very long story about the sea.")
+        await gate.wait_async()  # the step is generating, and cannot finish now
+        tg.cancel_scope.cancel()
+    gate.release()
+    assert gate.running == 1  # cancelled in flight
     assert agent.messages == before
     assert rt.stats()["pages_referenced"] == 0
     step = await agent.step("Add 5 and 6.")   # the session still works and is still cached
@@ -373,13 +378,16 @@ async def test_closed_runtime_refuses_new_steps():
 
 
 @pytest.mark.anyio
-async def test_session_ttl_unpins_idle_sessions():
-    runtime = Runtime.load(draft=False, session_ttl=0.3)
+async def test_session_ttl_unpins_idle_sessions(monkeypatch):
+    now = [1000.0]  # a fake clock: the test decides when the TTL has passed
+    runtime = Runtime.load(draft=False, session_ttl=30)
+    monkeypatch.setattr(runtime, "clock", lambda: now[0])
     try:
         agent = Agent(runtime, tools=[add], max_tokens=16)
         await agent.step("Add 1 and 2.")
-        assert runtime.stats()["pages_pinned"] > 0
-        await anyio.sleep(0.6)
+        now[0] += 29
+        assert runtime.stats()["pages_pinned"] > 0    # idle for less than its TTL
+        now[0] += 2
         assert runtime.stats()["pages_pinned"] == 0   # evictable now, still cached
         step = await agent.step("Add 3 and 4.")       # and still reused while it lasts
         assert step.usage.prompt_tokens_details.cached_tokens > 0

@@ -5,7 +5,11 @@ Greedy speculative output equal to plain through it: tests/test_embedded.py (com
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +26,7 @@ from agentflash.engine.models.quantized import (Int8Linear, quantize_drafter_int
                                                quantize_linears_int8)
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
-from conftest import bf16_gemm_rows_are_independent
+from skips import CPU_KERNELS, ROW_INVARIANT_ONEDNN_BF16
 
 PAGE = 16
 
@@ -63,11 +67,10 @@ def test_rows_do_not_depend_on_the_forward_and_kv_is_stored_in_place(model, kern
     """Compiled with agentflash's CPU kernels (where they run) and with oneDNN and the torch
     attention (where they do not: no AVX2, no compiler, AGENTFLASH_CPU_KERNELS=0); and the same
     forward eager on the kernels (where no program is made: compile off, large models)."""
-    if kernels and not cpu_ops.available():
-        pytest.skip(f"CPU kernels unavailable: {cpu_ops.load()}")
-    if not kernels and not bf16_gemm_rows_are_independent():
-        pytest.skip("this CPU's bf16 GEMMs depend on the row count (AVX512 without BF16): its "
-                    "default is the kernels, or float32 without them")
+    if kernels:
+        CPU_KERNELS.need()
+    else:
+        ROW_INVARIANT_ONEDNN_BF16.need()  # else the default is the kernels, or float32
     if compiled:
         run = CompiledForward.build(model, page_size=PAGE, kernels=kernels)
         assert run.program.kernels == kernels
@@ -147,7 +150,7 @@ def _two_blocks(model, drafter):
     return dk, dv, tables, ctx, block, bpos
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+@CPU_KERNELS.mark
 def test_the_drafter_computes_only_the_rows_verified(model):
     """On the CPU kernels the drafter's last layer computes queries, MLP and norm only for the
     rows whose drafts are verified (every row's K/V still): those rows are bitwise the rows of
@@ -168,8 +171,7 @@ def test_the_drafter_computes_only_the_rows_verified(model):
         assert torch.equal(run(block, bpos, attn, rows), whole[rows])
 
 
-@pytest.mark.parametrize("quantize", [None, pytest.param("int8", marks=pytest.mark.skipif(
-    not cpu_ops.available(), reason="int8 needs the CPU kernels"))])
+@pytest.mark.parametrize("quantize", [None, pytest.param("int8", marks=CPU_KERNELS.mark)])
 def test_a_plain_engines_rows_are_a_speculative_engines_rows(model, quantize):
     """The target's program alone and the one that also stores the drafter's context compute
     the same rows bit for bit (greedy DFlash equals plain across the two engines), with bf16 and
@@ -217,7 +219,7 @@ def test_the_program_is_cached_on_disk(model):
     assert heads[0] != heads[1]
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+@CPU_KERNELS.mark
 def test_the_programs_call_the_kernels_through_their_c_shims(model):
     """A program calls the CPU kernels as C functions (kernels/cpu/shims.cpp), not through
     AOTInductor's proxy executor, which boxes every argument on every call."""
@@ -262,26 +264,47 @@ def test_a_failed_compile_runs_eager_with_a_warning(monkeypatch, tmp_path, caplo
     assert done.output_ids == want.output_ids
 
 
-def test_without_the_cpu_kernels_the_engine_keeps_onednn(monkeypatch):
-    """Where the kernels do not build or run, the compiled step runs without them: the same
-    tokens as plain speculative decoding on that program, and the head stays oneDNN's."""
-    monkeypatch.setattr(cpu_ops, "available", lambda: False)
-    model = load_model(embedded_model_dir(), dtype=torch.bfloat16)
-    engine = Engine(model, compile=True)
-    assert "aoti-compiled-step" in engine.fast_paths
-    assert "cpu-kernels" not in engine.fast_paths
-    assert engine.runner.decode.kind == "compiled" and not engine.runner.decode.kernels
+_WITHOUT_KERNELS = """
+import json, torch
+from agentflash.embedded import embedded_model_dir, model_drafter_dir
+from agentflash.engine.engine import Engine
+from agentflash.engine.models.dflash import load_drafter
+from agentflash.engine.models.loader import load_model
+from agentflash.engine.sampler import SamplingParams
+from agentflash.kernels import cpu_ops
+
+model = load_model(embedded_model_dir(), dtype=torch.bfloat16)
+engine = Engine(model, compile=True)
+prompt = [(7 * i + 3) % 4000 for i in range(300)]
+params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+plain = engine.generate([prompt], params)[0].output_ids
+drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+spec = Engine(model, drafter=drafter, compile=True)
+print(json.dumps({"loaded": cpu_ops.loaded(), "fast_paths": [engine.fast_paths, spec.fast_paths],
+                  "kernels": engine.runner.decode.kernels,
+                  "head": type(model.lm_head).__name__, "plain": plain,
+                  "spec": spec.generate([prompt], params)[0].output_ids}))
+"""
+
+
+def test_without_the_cpu_kernels_the_engine_keeps_onednn(tmp_path):
+    """Where the kernels do not build or run (a process that never loads them:
+    $AGENTFLASH_CPU_KERNELS=0), the compiled step runs without them: the same tokens as plain
+    speculative decoding on that program, and the head stays oneDNN's."""
+    env = {**os.environ, "AGENTFLASH_CPU_KERNELS": "0"}
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_KERNELS], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert not out["loaded"] and not out["kernels"]
+    for paths in out["fast_paths"]:
+        assert "aoti-compiled-step" in paths and "cpu-kernels" not in paths
     if packing_available():
-        assert type(model.lm_head).__name__ == "PackedLinear"
-    prompt = [(7 * i + 3) % 4000 for i in range(300)]
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    plain = engine.generate([prompt], params)[0].output_ids
-    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
-    spec = Engine(model, drafter=drafter, compile=True)
-    assert spec.generate([prompt], params)[0].output_ids == plain
+        assert out["head"] == "PackedLinear"
+    assert out["spec"] == out["plain"] and len(out["plain"]) == 24
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+@CPU_KERNELS.mark
 def test_a_drafter_with_a_head_of_its_own_ends_its_forward_in_it(model):
     """The drafter engine.fastpath makes has a head of its own (int8): with the CPU kernels its
     forward, eager or compiled, ends in that head, so a draft is one call from token ids to
@@ -312,7 +335,7 @@ def test_a_drafter_with_a_head_of_its_own_ends_its_forward_in_it(model):
     assert "proxy_executor_call_function(" not in wrapper
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+@CPU_KERNELS.mark
 def test_a_drafter_whose_attention_takes_the_torch_path_still_ends_in_its_head(model,
                                                                             monkeypatch):
     """A drafter whose attention the kernel cannot take (a windowed layer, a head size it does
@@ -336,7 +359,7 @@ def test_a_drafter_whose_attention_takes_the_torch_path_still_ends_in_its_head(m
     assert torch.equal(logits, drafter.logits(model, hidden))
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="needs agentflash's CPU kernels")
+@CPU_KERNELS.mark
 def test_the_drafter_projects_a_blocks_mask_tokens_once(model):
     """Every mask token of a block enters the drafter's first layer with the same input: given
     the block size, the layer projects the anchors and one mask token and rotates them per

@@ -1,12 +1,11 @@
 """Every instruction set's kernel library compiles, on whatever x86 CPU the tests run on.
 
 A machine builds and tests only the sets its CPU runs (tests/test_cpu_ops.py), so a set for
-another CPU kind can break unseen: stop 41's top1.cpp compiled against AVX2's ATen headers but
-not AVX512's, which left every AVX512 CPU without kernels. Compiling needs no such CPU."""
+another CPU kind can break unseen (a file that compiles against AVX2's ATen headers but not
+AVX512's leaves every AVX512 CPU without kernels). Compiling needs no such CPU."""
 
 from __future__ import annotations
 
-import platform
 import shutil
 import subprocess
 import sysconfig
@@ -16,17 +15,17 @@ import pytest
 from torch.utils import cpp_extension
 
 from agentflash.kernels import cpu_ops
+from skips import X86_COMPILER
 
 _COMPILER = shutil.which("c++")
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or _COMPILER is None,
-                    reason="needs an x86 CPU and a C++ compiler")
-@pytest.mark.parametrize("isa", [candidate.name for candidate in cpu_ops.ISAS])
+@X86_COMPILER.mark
+@pytest.mark.parametrize("isa", [candidate.name for candidate in cpu_ops.ISAS
+                                 # the one loaded here is built and run by test_cpu_ops.py
+                                 if not (cpu_ops.available() and candidate == cpu_ops.isa())])
 def test_every_instruction_set_compiles(isa):
     chosen = next(candidate for candidate in cpu_ops.ISAS if candidate.name == isa)
-    if cpu_ops.available() and cpu_ops.isa() == chosen:
-        pytest.skip("this build is the one loaded here (tests/test_cpu_ops.py runs it)")
     sources = cpu_ops.source_paths(chosen)
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{sources[0].parent}"]

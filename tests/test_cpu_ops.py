@@ -19,9 +19,9 @@ from agentflash.engine.models.kernel_linear import (WIDEN_ROWS, KernelLinear, Wi
                                                    with_kernel_linears)
 from agentflash.engine.sampler import top1
 from agentflash.kernels import cpu_ops
+from skips import CPU_KERNELS, OTHER_CPU_BUILDS, other_cpu_builds
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(),
-                                reason=f"CPU kernels unavailable: {cpu_ops.load()}")
+pytestmark = CPU_KERNELS.mark
 
 
 def _bf16(*shape, seed):
@@ -112,15 +112,8 @@ def test_a_widened_linear_takes_the_kernel_for_few_rows_and_float32_for_many():
     assert torch.equal(layer(many[None])[0], want)  # leading dimensions
 
 
-_CHOSEN = cpu_ops.isa()
-_OTHER_BUILDS = [(name, True) for name in cpu_ops.isas_here()
-                 if _CHOSEN is not None and name != _CHOSEN.name]
-if _CHOSEN is not None and cpu_ops.build_flags(_CHOSEN) != _CHOSEN.flags:
-    _OTHER_BUILDS.append((_CHOSEN.name, False))  # without the extras this CPU adds (VNNI)
-
-
-@pytest.mark.parametrize("isa,extras", _OTHER_BUILDS or [pytest.param(
-    None, None, marks=pytest.mark.skip(reason="this CPU runs only the build chosen for it"))])
+@pytest.mark.parametrize("isa,extras", other_cpu_builds() or [pytest.param(
+    None, None, marks=OTHER_CPU_BUILDS.mark)])
 def test_the_builds_a_cpu_that_has_a_better_one_can_run(isa, extras):
     """Most laptops and older servers have AVX2 (or AVX512) but not AVX512-BF16, and AVX512
     CPUs before Cascade Lake lack VNNI: each build is tested wherever it runs, not only where

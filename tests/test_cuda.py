@@ -11,9 +11,9 @@ from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
 from conftest import make_dflash_checkpoint
+from skips import CUDA, LINEAR_CUDA
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, CUDA.mark]
 
 
 def test_cuda_greedy_equals_cpu_with_and_without_drafter(hf_checkpoint, tmp_path):
@@ -40,8 +40,7 @@ def test_linear_attention_kernels_match_the_reference_and_the_cpu_engine(tmp_pat
     from test_qwen3_5 import make_hf
 
     cuda = torch.device("cuda")
-    if not (linear_attention.fla_available(cuda) and linear_attention.conv_available(cuda)):
-        pytest.skip("needs the linear-cuda extra (flash-linear-attention, causal-conv1d)")
+    LINEAR_CUDA.need()
     g = torch.Generator(device="cuda").manual_seed(0)
     length, heads, dk, dv, channels = 150, 4, 32, 16, 96
     q = ref.l2_normalise(torch.randn(length, heads, dk, device=cuda, generator=g)) * dk**-0.5

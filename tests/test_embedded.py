@@ -22,9 +22,8 @@ from agentflash.engine.models.dflash_train import init_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.quantized import Int8Linear
 from agentflash.engine.sampler import SamplingParams
-from agentflash.kernels import cpu_ops
 from agentflash.tokenizer import load_tokenizer
-from conftest import bf16_gemm_rows_are_independent
+from skips import CPU_KERNELS, ROW_INVARIANT_BF16
 
 HELDOUT = Path(__file__).parent / "data" / "heldout.jsonl"
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
@@ -126,8 +125,7 @@ def test_dflash_greedy_equals_plain_and_beats_a_random_drafter(tokenizer, target
     assert trained > random_tau + 0.3, (trained, random_tau)
 
 
-@pytest.mark.skipif(not bf16_gemm_rows_are_independent(),
-                    reason="this CPU's bf16 GEMMs depend on the row count: equal to rounding only")
+@ROW_INVARIANT_BF16.mark
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
     """bfloat16 is the CPU default where bf16 is native; its decode/verify attention is
@@ -148,7 +146,7 @@ def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
         assert [c.output_ids for c in run(engine, prompts, 96)] == plain
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="the int8 drafter needs the CPU kernels")
+@CPU_KERNELS.mark
 def test_the_int8_drafter_is_accepted_as_often_as_the_bf16_one(tokenizer, monkeypatch):
     """Where the CPU kernels run, a bfloat16 target's drafter is int8 by default
     (engine.fastpath's int8-drafter): it changes which drafts are proposed, never the output,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,6 @@ def test_missing_embedded_model_is_a_checkpoint_error(fake_embedded, capsys):
 
 
 def test_package_data_globs_cover_the_layout(tmp_path):
-    tomllib = pytest.importorskip("tomllib")
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     setuptools = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
     assert "agentflash.checkpoints" in setuptools["packages"]

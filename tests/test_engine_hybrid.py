@@ -29,6 +29,7 @@ from agentflash.kernels import cpu_ops
 from test_qwen3_5 import TEXT, make_hf, save_conditional
 from test_spec import chi_square_pvalue
 from conftest import assert_rows_independent
+from skips import EMULATED_BF16_WITH_KERNELS
 
 CACHE = CacheConfig(page_size=4, num_pages=256)
 MakeEngine = Callable[..., Engine]
@@ -450,8 +451,7 @@ def test_hybrid_models_skip_the_fast_path(hybrid: tuple[Path, Any]) -> None:
         Engine(model, cache=CACHE, quantize="int8")
 
 
-@pytest.mark.skipif(packing_available() or not cpu_ops.available(),
-                    reason="the CPU kernels run every linear only where bf16 matmuls are emulated")
+@EMULATED_BF16_WITH_KERNELS.mark
 def test_moe_rows_do_not_depend_on_their_batch(tmp_path: Path) -> None:
     """In bfloat16 where the CPU kernels run, a MoE block's experts take the kernel too, so a
     token's output is the same whatever else is in the forward (how many tokens each expert

@@ -14,6 +14,7 @@ from langchain.agents.middleware import wrap_model_call
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from pydantic import BaseModel
+from conftest import EngineGate
 from test_server import assert_clean
 
 from agentflash.integrations.langchain import ChatAgentflash
@@ -156,15 +157,14 @@ async def test_astream_equals_ainvoke(model):
 
 
 @pytest.mark.anyio
-async def test_cancelled_ainvoke_frees_kv(rt):
+async def test_cancelled_ainvoke_frees_kv(rt, monkeypatch):
     model = ChatAgentflash(runtime=rt, max_tokens=1024)
+    gate = EngineGate(rt, monkeypatch)
     task = asyncio.create_task(model.ainvoke("Write a short poem about the sea."))
-    with anyio.fail_after(30):
-        while (await anyio.to_thread.run_sync(rt.stats))["running"] == 0:
-            await anyio.sleep(0.02)
-    await anyio.sleep(0.2)
-    assert not task.done()
+    await gate.wait_async()  # generating, and it cannot finish now
+    assert not task.done() and gate.running == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    gate.release()
     assert_clean(rt)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import agents
 import pydantic
@@ -18,6 +17,7 @@ from openai.types.responses import ResponseTextDeltaEvent
 
 from agentflash import Runtime
 from agentflash.integrations.openai_agents import AgentflashModel, AgentflashProvider
+from conftest import EngineGate
 from test_server import assert_clean
 
 agents.set_tracing_disabled(True)  # no network: nothing to export traces to
@@ -131,13 +131,6 @@ async def test_forced_handoff_streamed(rt):
     assert result.context_wrapper.usage.requests == 2
 
 
-async def wait_running(rt: Runtime, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while rt.stats()["running"] == 0:
-        assert time.monotonic() < deadline, "the generation never started"
-        await asyncio.sleep(0.01)
-
-
 def teller(rt: Runtime) -> Agent:
     """An agent whose reply runs to its token limit: long enough to be cancelled mid-way."""
     return Agent(name="teller", instructions="You are a helpful assistant.",
@@ -146,28 +139,32 @@ def teller(rt: Runtime) -> Agent:
 
 
 @pytest.mark.anyio
-async def test_cancelled_run_frees_its_kv(rt):
+async def test_cancelled_run_frees_its_kv(rt, monkeypatch):
+    gate = EngineGate(rt, monkeypatch)
     task = asyncio.create_task(Runner.run(teller(rt), "Tell me a very long story."))
-    await wait_running(rt)
-    await asyncio.sleep(0.2)
-    assert rt.stats()["running"] == 1  # still generating when cancelled
+    await gate.wait_async()  # generating, and it cannot finish now
+    assert not task.done() and gate.running == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    gate.release()
     assert_clean(rt)
 
 
 @pytest.mark.anyio
-async def test_cancelled_stream_frees_its_kv(rt):
+async def test_cancelled_stream_frees_its_kv(rt, monkeypatch):
     result = Runner.run_streamed(teller(rt), "Tell me a very long story.")
     texts = 0
     async for event in result.stream_events():
         if event.type == "raw_response_event" and isinstance(event.data, ResponseTextDeltaEvent):
             texts += 1
-            if texts == 3:
-                assert rt.stats()["running"] == 1
+            if texts == 1:
+                gate = EngineGate(rt, monkeypatch)
+                await gate.wait_async()  # still generating, and it cannot finish now
+                assert gate.running == 1
                 result.cancel()
-    assert texts >= 3 and result.raw_responses == []  # cancelled before the reply ended
+    gate.release()
+    assert texts >= 1 and result.raw_responses == []  # cancelled before the reply ended
     assert_clean(rt)
 
 

@@ -17,6 +17,7 @@ from agentflash.engine.config import ModelConfig
 from agentflash.engine.models import CausalLM, ModelOutput, load_model
 from agentflash.engine.models.rope import RotaryEmbedding, apply_rope
 from conftest import TINY, make_hf_model, save_hf_model
+from skips import CUDA
 
 ATOL = 1e-5
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -202,7 +203,7 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@CUDA.mark
 def test_cuda_matches_cpu(tmp_path: Path) -> None:
     model, hf = make_pair(tmp_path / "m", "llama", rope_parameters=dict(YARN))
     gpu = load_model(tmp_path / "m", device="cuda")

@@ -10,6 +10,7 @@ mistake at its source, file by file.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -146,4 +147,28 @@ assert dispatch._triton() == {{}}
     assert "triton" in blocked and "opentelemetry" in blocked and "trio" in blocked
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
                             text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_checkouts_folders_never_shadow_an_installed_distribution(tmp_path):
+    """Python started in the checkout's root has the root first on sys.path (`python -m pytest`,
+    `python -c`). A distribution installed under the name of one of its folders (Hugging Face's
+    `kernels`, which transformers imports) must still be the one imported: the folders are no
+    regular packages there, only agentflash's subpackages (agentflash/engine -> ../engine)."""
+    folders = sorted(p.name for p in ROOT.iterdir()
+                     if p.is_dir() and p.name.isidentifier() and p.name != "agentflash")
+    assert {"engine", "kernels", "examples", "tools", "tests"} <= set(folders)
+    site = tmp_path / "site-packages"
+    for name in folders:  # an installed regular package of that name
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text("ORIGIN = 'installed'\n")
+    script = f"""
+import importlib
+for name in {folders!r}:
+    module = importlib.import_module(name)
+    assert getattr(module, "ORIGIN", None) == "installed", (name, module)
+import agentflash.engine.engine, agentflash.kernels.cpu_ops, agentflash.examples.demo_tools
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(site)})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,14 +13,14 @@ from agentflash.engine.config import SpecConfig
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
-from agentflash.engine.models.packed import PackedLinear, packing_available
+from agentflash.engine.models.packed import PackedLinear
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 
 from conftest import random_linear_case
+from skips import ONEDNN_BF16
 
-pytestmark = pytest.mark.skipif(not packing_available(),
-                                reason="this torch build or CPU has no native oneDNN bf16 matmuls")
+pytestmark = ONEDNN_BF16.mark
 
 
 @pytest.mark.parametrize("shape", [(1152, 384), (4096, 384), (384, 1024), (1024, 3072),

@@ -17,12 +17,11 @@ from agentflash.engine.models.packed import packing_available
 from agentflash.engine.models.kernel_linear import WIDEN_ROWS, with_kernel_linears
 from agentflash.engine.models.quantized import Int8Linear, quantize_int8
 from agentflash.engine.sampler import SamplingParams
-from agentflash.kernels import cpu_ops
 
 from conftest import assert_rows_independent, random_linear_case
+from skips import CPU_KERNELS
 
-needs_int8 = pytest.mark.skipif(not cpu_ops.available(), reason="agentflash's CPU kernels do "
-                                "not run here")
+needs_int8 = CPU_KERNELS.mark
 
 
 def test_int8_error_is_within_half_a_step():

@@ -28,12 +28,11 @@ from agentflash.report import write_report
 from agentflash.server import create_app
 from agentflash.usage import Pricing
 from conftest import assert_clean, running
+from skips import VLLM, VLLM_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from bench_peers import EMBEDDED, free_port, vllm_agent_flags, vllm_server  # noqa: E402
 
-VLLM_ENV = Path(os.environ.get("AGENTFLASH_VLLM_ENV",
-                               Path.home() / ".cache" / "agentflash-peers" / "vllm-env"))
 # the issue's flags, plus the embedded model's own DFlash drafter with per-request counters
 VLLM_FLAGS = vllm_agent_flags(EMBEDDED / "drafter")
 
@@ -62,11 +61,7 @@ def vllm_url(tmp_path_factory) -> Iterator[str]:
     if os.environ.get("AGENTFLASH_TEST_VLLM_URL"):
         yield os.environ["AGENTFLASH_TEST_VLLM_URL"]
         return
-    if not (VLLM_ENV / ".ready").exists():
-        message = f"no vLLM side environment at {VLLM_ENV} (bash tools/setup_vllm.sh makes it)"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; .ci/run installs it")
-        pytest.skip(message)
+    VLLM.need()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     with vllm_server(VLLM_ENV / "bin" / "python", EMBEDDED, 4096, 2, log, VLLM_FLAGS,
                      max_seqs=4) as url:
@@ -272,8 +267,8 @@ async def test_trio(remote):
 # ---- faults (a local stand-in server that answers with errors, on 127.0.0.1) -------------
 
 class _Faulty(http.server.BaseHTTPRequestHandler):
-    """Lists one model; answers every chat completion with `status` (and Retry-After), or
-    after 3 s when `status` is 0."""
+    """Lists one model; answers every chat completion with `status` (and Retry-After), or,
+    when `status` is 0, not before the test is over (`finished`)."""
 
     status = 503
     seen: list[dict[str, str]] = []
@@ -285,8 +280,8 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("content-length", 0)))
         type(self).seen.append({k.lower(): v for k, v in self.headers.items()})
-        if self.status == 0:  # never answers in time (the client has left by then)
-            time.sleep(3)
+        if self.status == 0:  # never answers while the test runs (the client gives up)
+            self.finished.wait(300)
             return
         self._send(self.status, {"error": {"message": f"status {self.status}",
                                            "type": "error", "code": self.status}},
@@ -308,11 +303,12 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def faulty() -> Iterator[tuple[str, type[_Faulty]]]:
-    handler = type("Handler", (_Faulty,), {"seen": []})
+    handler = type("Handler", (_Faulty,), {"seen": [], "finished": threading.Event()})
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
+    handler.finished.set()
     httpd.shutdown()
 
 

@@ -1,15 +1,13 @@
 """The HTML run report (agentflash/report.py) and its browser check (tools/check_report.py).
 
 Records are built from real `Usage` objects the way agentflash/telemetry.py writes them. The
-Chromium test fails when CI is set and /usr/bin/chromium is missing, and skips otherwise.
+Chromium test skips where /usr/bin/chromium is missing (and fails so under CI: tests/skips.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,8 @@ from agentflash.usage import (Cost, PromptTokensDetails, Speculative,
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from check_report import CHROMIUM, MIN_PNG_BYTES, check  # noqa: E402
+
+import skips  # noqa: E402
 
 EVIL = "<script>alert(1)</script>"
 
@@ -153,11 +153,8 @@ def test_load_records_ignores_unknown_types_and_rejects_malformed_lines(tmp_path
 
 
 def need_chromium() -> str:
-    """Chromium's path; fails the test under CI when it is missing, else skips it."""
-    if shutil.which(CHROMIUM) is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing (apt-get install chromium); CI needs it")
-        pytest.skip(f"{CHROMIUM} is missing")
+    """Chromium's path (the test skips without it; under CI it fails: tests/skips.py)."""
+    skips.CHROMIUM.need()
     return CHROMIUM
 
 

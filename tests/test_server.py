@@ -6,6 +6,7 @@ client that disconnects mid-stream, and a KV pool left clean after each test."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -22,7 +23,7 @@ import starlette.testclient
 from agentflash import Runtime
 from agentflash.engine.config import CacheConfig
 from agentflash.server import create_app
-from conftest import assert_clean, running
+from conftest import EngineGate, assert_clean, running
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import bench_server  # noqa: E402  (the agent workload of the server benchmark)
@@ -374,19 +375,22 @@ def test_errors_in_openai_shape(client, base_url, rt):
     assert route.status_code == 404 and "error" in route.json()
 
 
-def test_queue_full_gets_429(rt):
+def test_queue_full_gets_429(rt, monkeypatch):
     with running(create_app(rt, max_in_flight=1)) as url:
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-        # the first request holds the only slot until its stream ends (it must not end first:
-        # a reply that stops at eos can finish in a few steps)
+        # the first request holds the only slot until its stream ends, which it cannot while
+        # the engine is held
+        gate = EngineGate(rt, monkeypatch)
         stream = c.chat.completions.create(model=MODEL, messages=ASK, temperature=0,
                                            max_tokens=1000, stream=True,
                                            extra_body={"ignore_eos": True})
         next(iter(stream))
+        gate.wait()
         with pytest.raises(openai.RateLimitError) as e:
             c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4)
         assert e.value.response.headers["retry-after"] == "1"
         stream.close()
+        gate.release()
     assert_clean(rt)
 
 
@@ -403,23 +407,34 @@ def test_disconnect_mid_stream_frees_kv(client, rt):
                                           max_tokens=4).choices[0].message is not None
 
 
-def test_disconnect_before_a_plain_response_frees_kv(base_url, rt):
-    """A non-streamed request whose client gives up is aborted, not run to its end (2000
-    tokens would take far longer than the check waits)."""
-    headers = {"Authorization": f"Bearer {KEY}"}
-    # 2000 tokens (ignore_eos, vLLM's extension): 10-40 s here
+def test_disconnect_before_a_plain_response_frees_kv(rt, monkeypatch):
+    """A non-streamed request whose client goes away is aborted, not run to its end: the
+    engine is held from the request's first step until the server has answered 499 to
+    nobody, so the generation cannot have finished."""
+    app = create_app(rt, api_key=KEY)
+    server = app.state.server
     body = {"model": MODEL, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
             "messages": [SYSTEM, {"role": "user", "content": "Tell me a long story."}]}
-    try:
-        r = httpx.post(base_url + "/v1/chat/completions", headers=headers, json=body,
-                       timeout=1.0)
-    except httpx.TimeoutException:
-        pass  # the client gives up: it disconnects
-    else:
-        pytest.fail(f"answered within the timeout: {r.status_code} {r.text[:300]}")
-    assert_clean(rt, timeout=5)
-    # aborted (the server answered 499 to nobody), not finished
-    metrics = httpx.get(base_url + "/metrics").text
+    gate = EngineGate(rt, monkeypatch)
+
+    async def leave(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}
+                                     ) as c:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(c.post, "/v1/chat/completions", json=body))
+                await gate.wait_async()   # generating, and it cannot finish now
+                tg.cancel_scope.cancel()  # the client goes away
+
+    with running(app) as url:
+        anyio.run(leave, url)
+        deadline = time.monotonic() + EngineGate.HANG_S
+        while server.in_flight:  # the server notices (it polls) and gives the request up
+            assert time.monotonic() < deadline, "the server never noticed the client leave"
+            time.sleep(0.05)
+        gate.release()
+        assert_clean(rt)
+        metrics = httpx.get(url + "/metrics").text
+    assert gate.running == 1
     assert 'agentflash_requests_total{endpoint="/v1/chat/completions",status="499"} 1.0' \
         in metrics, [line for line in metrics.splitlines() if "requests_total" in line]
 

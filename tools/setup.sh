@@ -11,7 +11,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q "${AGENTFLASH_TORCH:-torch==2.13.0}"
-.venv/bin/python -m pip install -q -e ".[test]"
+# the newest versions the bounds allow, as on a fresh machine, even where .venv exists (torch
+# named again so that it stays the build chosen above)
+.venv/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]" \
+  "${AGENTFLASH_TORCH:-torch==2.13.0}"
 # Headless Chromium renders the HTML report in the tests (tools/check_report.py); Debian package.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
     && [ "$(id -u)" = 0 ]; then

@@ -1,1 +1,0 @@
-"""Runnable agent programs, and the real tools (`examples.demo_tools`) the `agentflash demo` task uses."""
