@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncGenerator, Sequence
 
@@ -28,13 +27,11 @@ from .detokenizer import Detokenizer
 from .errors import ContextLengthError
 from .history import message_text
 from .remote import RemoteRuntime
-from .request import (CallArguments, CallChunk, CallStart, ChatEvent, ChatReply, ChatRequest,
-                      History, TextChunk, Turn, reply_message)
+from .request import ChatEvent, ChatReply, ChatRequest, History, TextChunk, Turn, reply_message
 from .runtime import Runtime
-from .step import ToolCall
 from .structured import OutputSpec
-from .toolcall_parser import (CLOSE, ArgumentsDelta, CallOpened, MalformedToolCall,
-                              ParsedToolCall, TextDelta, ToolCallParser)
+from .reply_parser import ReplyParser
+from .toolcall_parser import CLOSE
 from .usage import Usage
 
 def render_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -120,38 +117,16 @@ class ChatTurn:
         gen = rt.generate(self.prompt, self.params, pin=request.pin,
                           speculative=request.speculative, constraint=self.constraint,
                           reuse=request.reuse, prediction=prediction)
-        parser = ToolCallParser(rt.chat.call_format, stream_calls=True)
+        # calls stream as they are written where the grammar makes them parse
+        parser = ReplyParser(rt.chat.call_format, self.calls_allowed,
+                             request.parallel_tool_calls, stream_calls=self.constraint is not None)
         detok = Detokenizer(rt.chat.decode, rt.eos_ids)
         trim = StopTrim(request.params.stop)
         output: list[int] = []
-        calls: list[ToolCall] = []
-        malformed: list[MalformedToolCall] = []
-        opened: CallStart | None = None  # the call being streamed, if it will be kept
 
         def events(text: str, final: bool = False) -> list[ChatEvent]:
-            nonlocal opened
-            out: list[ChatEvent] = []
-            parsed = parser.feed(trim.feed(text, final))
-            if final:
-                parsed += parser.finish()
-            for event in parsed:
-                keep = self.calls_allowed and (request.parallel_tool_calls or not calls)
-                if isinstance(event, TextDelta) and event.text:
-                    out.append(TextChunk(event.text))
-                elif isinstance(event, CallOpened) and keep:
-                    opened = CallStart(len(calls), _call_id(), event.name)
-                    out.append(opened)
-                elif isinstance(event, ArgumentsDelta) and opened is not None:
-                    out.append(CallArguments(opened.index, event.text))
-                elif isinstance(event, ParsedToolCall) and keep:
-                    calls.append(ToolCall(opened.id if opened else _call_id(), event.name,
-                                          event.arguments, event.arguments_text))
-                    out.append(CallChunk(len(calls) - 1, calls[-1], opened is not None))
-                elif isinstance(event, MalformedToolCall):
-                    malformed.append(event)
-                if isinstance(event, (ParsedToolCall, MalformedToolCall)):
-                    opened = None
-            return out
+            out = parser.feed(trim.feed(text, final))
+            return out + parser.finish() if final else out
 
         try:
             async for update in gen:
@@ -168,7 +143,7 @@ class ChatTurn:
                 yield event
         finally:
             gen.cancel()  # no-op once finished; otherwise aborts and frees the KV
-        text = parser.text.strip()
+        text, calls = parser.text, parser.calls
         finish = "tool_calls" if calls else (
             "length" if done.finish_reason == "length" else "stop")
         message = reply_message(text, calls)
@@ -180,11 +155,8 @@ class ChatTurn:
                                 tokens)
         yield ChatReply(text or None, calls, finish,
                         _usage(rt, done, len(self.prompt), output, t0), message, done.pin,
-                        output, History(tuple(tokens), len(request.messages) + 1), malformed)
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+                        output, History(tuple(tokens), len(request.messages) + 1),
+                        parser.malformed)
 
 
 def chat(runtime: Runtime | RemoteRuntime, request: ChatRequest) -> Turn:
@@ -255,8 +227,7 @@ async def complete(runtime: Runtime, prompt: list[int], params: SamplingParams,
 def _usage(rt: Runtime, done: Any, prompt_tokens: int, output: list[int], t0: float) -> Usage:
     return Usage.from_counters(
         done.counters, prompt_tokens, len(output), rt.target_params, rt.draft_params,
-        rt.engine.block_size, str(rt.engine.device), 0.0, time.perf_counter() - t0, rt.pricing,
-        rt.plain_step_s(prompt_tokens + len(output) // 2))
+        rt.engine.block_size, str(rt.engine.device), 0.0, time.perf_counter() - t0, rt.pricing)
 
 
 class StopTrim:

@@ -16,13 +16,13 @@ from .agent import Agent, MaxStepsError
 from .examples.demo_tools import DEMO_TASK, Workspace
 from .runtime import Runtime
 from .step import Step
+from .usage import Usage
 
 INSTRUCTIONS = "You are a helpful assistant. Use the tools to answer."
-MODES = {  # name -> (speculative, reuse_kv)
-    "kv reuse + DFlash": (True, True),
-    "kv reuse, no speculation": (False, True),
-    "no kv reuse, DFlash": (True, False),
-}
+MAIN, NO_SPECULATION, NO_REUSE = "kv reuse + DFlash", "kv reuse, no speculation", \
+    "no kv reuse, DFlash"
+MODES = {MAIN: (True, True), NO_SPECULATION: (False, True), NO_REUSE: (True, False)}
+"""name -> (speculative, reuse_kv); the first is the main run"""
 
 
 @dataclass
@@ -94,11 +94,22 @@ async def demo(rt: Runtime, max_tokens: int, max_steps: int, compare: bool) -> s
             report += [f"model: {rt.model_name}  drafter: {rt.drafter_dir or 'none'}  "
                        f"device: {rt.engine.device}", "", table(rows), ""]
     report += [summary(name, rows, wall) for name, (rows, wall) in walls.items()]
-    main_rows = next(iter(walls.values()))[0]
-    saved_cache = sum(r.step.usage.cost.saved_by_cache_usd for r in main_rows)
-    saved_spec = sum(r.step.usage.cost.saved_by_speculation_usd for r in main_rows)
     if rt.pricing is not None:
-        report.append(f"main run savings (counted counterfactuals): cache {1e6 * saved_cache:.1f}"
-                      f" u$, speculation {1e6 * saved_spec:.1f} u$"
-                      + (" (negative: it cost more)" if saved_spec < 0 else ""))
+        costs = {name: Usage.sum([r.step.usage for r in rows]).cost
+                 for name, (rows, _) in walls.items()}
+        main = costs[MAIN]
+        assert main is not None
+        report.append("main run savings (counted counterfactuals): cache "
+                      f"{_micro(main.saved_by_cache_usd)}, speculation "
+                      f"{_micro(main.saved_by_speculation_usd)}"
+                      + (" (negative: it cost more)"
+                         if (main.saved_by_speculation_usd or 0) < 0 else ""))
+        if compare:
+            report.append(f"measured (cost of the run without it - the main run's): cache "
+                          f"{_micro(costs[NO_REUSE].usd - main.usd)}, speculation "
+                          f"{_micro(costs[NO_SPECULATION].usd - main.usd)}")
     return "\n".join(report)
+
+
+def _micro(usd: float | None) -> str:
+    return "not known" if usd is None else f"{1e6 * usd:.1f} u$"

@@ -214,12 +214,20 @@ def _cost(steps: list[StepRecord], total: Usage) -> str:
     if total.cost.usd <= 0:
         return _section("Cost", "", '<p class="note">No pricing set: every step cost $0.</p>')
     c = [s.usage.cost for s in steps if s.usage.cost is not None]
-    series = [Series("cost", "#e15759", _cumsum([x.usd for x in c])),
-              Series("saved by cache", "#76b7b2", _cumsum([x.saved_by_cache_usd for x in c])),
-              Series("saved by speculation", "#59a14f",
-                     _cumsum([x.saved_by_speculation_usd for x in c]))]
+    series = [Series("cost", "#e15759", _cumsum([x.usd for x in c]))]
+    unknown = []
+    for name, color, saved in (
+            ("saved by cache", "#76b7b2", [x.saved_by_cache_usd for x in c]),
+            ("saved by speculation", "#59a14f", [x.saved_by_speculation_usd for x in c])):
+        if None in saved:
+            unknown.append(name)
+        else:
+            series.append(Series(name, color, _cumsum(saved)))
+    note = (f'<p class="note">Not known for every step, so not drawn: {", ".join(unknown)} '
+            "(no step costs were measured for the counterfactual).</p>" if unknown else "")
     return _section("Cost over the run", "Cumulative USD after each step, in time order.",
-                    _legend(series) + _line_chart(series, "USD (cumulative)", _usd, "step"))
+                    _legend(series) + _line_chart(series, "USD (cumulative)", _usd, "step")
+                    + note)
 
 
 def _agents(steps: list[StepRecord], tools: list[ToolRecord]) -> str:
@@ -441,8 +449,10 @@ def _dur(s: float) -> str:
     return f"{int(s // 60)} min {s % 60:.0f} s"
 
 
-def _usd(v: float) -> str:
+def _usd(v: float | None) -> str:
     """Dollars with two significant decimals below $1 ($0.0012), cents above."""
+    if v is None:
+        return UNREPORTED
     if v == 0:
         return "$0"
     digits = min(8, max(2, 1 - math.floor(math.log10(abs(v)))))

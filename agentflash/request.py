@@ -164,8 +164,8 @@ class ChatReply:
     pin: Pin | None = None               # local: the conversation's KV, when the request pinned it
     output_ids: list[int] = field(default_factory=list)   # local: the reply's tokens
     history: History | None = None       # local: the tokens through this reply
-    malformed: list[MalformedToolCall] = field(default_factory=list)  # unconstrained calls that
-    #                                                                   did not parse
+    malformed: list[MalformedToolCall] = field(default_factory=list)  # calls left in the text:
+    #                               not parsed, cut off, or one too many (agentflash.reply_parser)
 
 
 ChatEvent = TextChunk | CallStart | CallArguments | CallChunk | ChatReply

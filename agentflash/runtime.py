@@ -178,13 +178,12 @@ class Runtime:
                              if engine.drafter is not None else 0)
         self.pricing = pricing
         self.log = RunLog(log) if log is not None else None
-        # step times: plain decode steps at batch 1 (at a short and a long context: attention
-        # grows with it) are the counterfactual of saved_by_speculation_usd, and the cost of
-        # speculative steps in plain steps (at batch 1 at both contexts, and at batch 4 and 16)
-        # is what speculation="auto" weighs a request's acceptance against (how many drafts to
-        # verify)
+        # the cost of speculative steps in plain steps (at batch 1 at a short and a long
+        # context, and at batch 4 and 16) is what speculation="auto" weighs a request's
+        # acceptance against (how many drafts to verify), and what usage prices a verify
+        # step's committed tokens against; the shape of prefill costs prices the cache's
+        # counterfactual (agentflash.usage)
         self.step_cost: StepCost | None = None
-        self._plain_at: tuple[tuple[int, float], ...] = ()
         if engine.drafter is not None:
             cost = self.step_cost = engine.measure_step_cost()
             long = engine.measure_step_cost(context=min(2048, engine.max_model_len // 2))
@@ -192,7 +191,10 @@ class Runtime:
                 engine.spec = dataclasses.replace(
                     engine.spec, cost=cost, long_cost=long,
                     batch_costs=self._batch_costs(engine))
-            self._plain_at = ((cost.context, cost.plain_s), (long.context, long.plain_s))
+        try:
+            engine.prefill_cost = engine.measure_prefill_cost()
+        except KVPoolExhaustedError:  # a pool too small to measure in: savings unknown
+            engine.prefill_cost = None
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Condition()
         self._live: dict[int, Generation] = {}
@@ -295,17 +297,6 @@ class Runtime:
             except KVPoolExhaustedError:
                 break
         return tuple(costs)
-
-    def plain_step_s(self, context: int) -> float:
-        """A plain decode step's seconds at batch 1 with `context` tokens before it: linear
-        through the two measured at load, never decreasing with context (timing noise can make
-        the longer measurement the faster one) and never below the shorter one's. 0 without a
-        drafter."""
-        if not self._plain_at:
-            return 0.0
-        (c0, t0), (c1, t1) = self._plain_at
-        slope = max(0.0, (t1 - t0) / (c1 - c0)) if c1 > c0 else 0.0
-        return max(t0, t0 + slope * (context - c0))
 
     # ---- public ---------------------------------------------------------------------------
 

@@ -50,4 +50,5 @@ class Step:
     is_final: bool
     usage: Usage
     finish_reason: str                           # "stop" | "length"
-    malformed_calls: list[MalformedToolCall] = field(default_factory=list)
+    malformed_calls: list[MalformedToolCall] = field(default_factory=list)  # calls that stayed
+    #                          in `message` as text: not parsed, cut off, or one too many

@@ -4,6 +4,8 @@ A reply arrives as text chunks of any size: speculative decoding commits several
 so a tag can be split across chunks, and one chunk can end one call and start the next.
 `ToolCallParser` turns that stream into events: visible text (`TextDelta`), tool calls
 (`ParsedToolCall`) and text in a tool-call position that is not a valid call (`MalformedToolCall`).
+Each call event carries its `markup`, the text the model wrote for it, tags included, so that a
+caller that does not take it as a call can return it as text (agentflash.reply_parser).
 With `stream_calls`, a hermes call being written as `{"name": ..., "arguments": {...}` (the form
 the constrained grammar writes) also streams: `CallOpened` once its name is known, then its
 arguments' JSON text as the model writes it in `ArgumentsDelta`s, before the call itself. The
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Protocol
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -39,11 +41,13 @@ class TextDelta:
 
 @dataclass(frozen=True)
 class ParsedToolCall:
-    """A valid tool call; `raw` is its JSON text as the model wrote it, whitespace stripped."""
+    """A valid tool call; `raw` is its JSON text as the model wrote it, whitespace stripped;
+    `markup` all the text the model wrote for it."""
 
     name: str
     arguments: dict[str, Any]
     raw: str
+    markup: str = field(default="", compare=False)
 
     @property
     def arguments_text(self) -> str:
@@ -60,10 +64,12 @@ class ParsedToolCall:
 
 @dataclass(frozen=True)
 class MalformedToolCall:
-    """Text in a tool-call position that is not a valid call, and a short reason why."""
+    """Text in a tool-call position that is not a valid call, and a short reason why;
+    `markup` all the text the model wrote for it."""
 
     raw: str
     reason: str
+    markup: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -137,22 +143,22 @@ def _loads(text: str) -> Any:
     return value if end == len(text) else _INVALID
 
 
-def _to_call(value: Any, raw: str) -> ParsedToolCall | MalformedToolCall:
+def _to_call(value: Any, raw: str, markup: str) -> ParsedToolCall | MalformedToolCall:
     """Validates a decoded value as {"name": str, "arguments" | "parameters": object}.
 
     Arguments may also be a JSON-encoded string of an object; missing arguments mean {}.
     """
     if not isinstance(value, dict):
-        return MalformedToolCall(raw, "not a JSON object")
+        return MalformedToolCall(raw, "not a JSON object", markup)
     name = value.get("name")
     if not isinstance(name, str):
-        return MalformedToolCall(raw, 'missing string "name"')
+        return MalformedToolCall(raw, 'missing string "name"', markup)
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         arguments = _loads(arguments)
     if not isinstance(arguments, dict):
-        return MalformedToolCall(raw, "arguments are not a JSON object")
-    return ParsedToolCall(name, arguments, raw)
+        return MalformedToolCall(raw, "arguments are not a JSON object", markup)
+    return ParsedToolCall(name, arguments, raw, markup)
 
 
 def _partial_tag_len(text: str, tag: str) -> int:
@@ -171,13 +177,13 @@ class ToolCallFormat(Protocol):
     def finish(self) -> list[Event]: ...
 
 
-def _hermes_call(body: str) -> ParsedToolCall | MalformedToolCall:
-    """The call written between `<tool_call>` and `</tool_call>`."""
+def _hermes_call(body: str, markup: str) -> ParsedToolCall | MalformedToolCall:
+    """The call written between `<tool_call>` and `</tool_call>` (`markup`: with its tags)."""
     raw = body.strip()
     value = _loads(raw)
     if value is _INVALID:
-        return MalformedToolCall(raw, "invalid JSON")
-    return _to_call(value, raw)
+        return MalformedToolCall(raw, "invalid JSON", markup)
+    return _to_call(value, raw, markup)
 
 
 class HermesFormat:
@@ -207,7 +213,7 @@ class HermesFormat:
                 events += self._stream(len(self._buf) if end < 0 else end)
                 if end < 0:
                     return events
-                events.append(_hermes_call(self._buf[:end]))
+                events.append(_hermes_call(self._buf[:end], OPEN + self._buf[:end] + CLOSE))
                 self._buf = self._buf[end + len(CLOSE) :]
                 self._in_call = False
             else:
@@ -249,9 +255,9 @@ class HermesFormat:
         # Unterminated call: drop a partial `</tool_call>` and parse what is there.
         body = self._buf[: len(self._buf) - _partial_tag_len(self._buf, CLOSE)]
         events = self._stream(len(body))
-        call = _hermes_call(body)
+        call = _hermes_call(body, OPEN + self._buf)
         if isinstance(call, MalformedToolCall):
-            return events + [MalformedToolCall(call.raw, f"unterminated tool call ({call.reason})")]
+            call = replace(call, reason=f"unterminated tool call ({call.reason})")
         return events + [call]
 
 
@@ -296,19 +302,33 @@ def _llama3_kind(message: str) -> Literal["text", "calls"] | None:
 
 
 def _llama3_calls(message: str) -> list[Event]:
-    """One event per JSON object of a calls message, or one MalformedToolCall for all of it."""
+    """One event per JSON object of a calls message, or one MalformedToolCall for all of it.
+    The calls' markups together are the message: the first holds what precedes it (the python
+    tag), each one the separators after it."""
     body = message.lstrip().removeprefix(PYTHON_TAG).strip()
-    found: list[tuple[Any, str]] = []
+    found: list[tuple[Any, str, int]] = []  # (value, its JSON text, where it starts in body)
     pos = _SEPARATORS.match(body).end()
     while pos < len(body):
         value, end = _decode(body, pos)
         if value is _INVALID:
-            return [MalformedToolCall(body, "not JSON tool calls separated by ';' or newlines")]
-        found.append((value, body[pos:end]))
+            return [MalformedToolCall(body, "not JSON tool calls separated by ';' or newlines",
+                                      message)]
+        found.append((value, body[pos:end], pos))
         pos = _SEPARATORS.match(body, end).end()
     if not found:
-        return [MalformedToolCall(body, "no tool call")]
-    return [_to_call(value, raw) for value, raw in found]
+        return [MalformedToolCall(body, "no tool call", message)]
+    offset = message.index(body)
+    bounds = [0] + [offset + start for _, _, start in found[1:]] + [len(message)]
+    return [_to_call(value, raw, message[bounds[i]:bounds[i + 1]])
+            for i, (value, raw, _) in enumerate(found)]
+
+
+def render_call(fmt: str, name: str, arguments_text: str) -> str:
+    """A call as the format `fmt` writes it (for a call known only by its parts)."""
+    head = json.dumps(name, ensure_ascii=False)
+    if fmt == "llama3_json":
+        return f'{{"name": {head}, "parameters": {arguments_text}}}'
+    return f'{OPEN}\n{{"name": {head}, "arguments": {arguments_text}}}\n{CLOSE}'
 
 
 FORMATS: dict[str, Callable[[bool], ToolCallFormat]] = {  # (stream_calls) -> format

@@ -10,11 +10,15 @@ from the sums (never an average of averages).
 Cost comes from a `Pricing`:
 - per device-hour: the step pays for the forward time the engine attributed to it (its share,
   by tokens fed, of every batched target forward, and of the drafter forwards). Savings are
-  counterfactuals from the same counts: the cached prompt tokens at this step's own measured
-  prefill time per token, and the tokens committed by verify steps at a plain decode step's
-  time (this request's own plain steps when it took at least 4, else the runtime's measurement
-  at load), minus what verification and drafting actually took (negative when speculation cost
-  more than it saved).
+  counterfactuals priced at the speed the machine ran the step at, so they follow a machine
+  that is busier or quieter than it was at load: speculation saved the plain decode steps of
+  the tokens its verify steps committed (their cost measured at load, StepCost at the step's
+  batch and context, times how much slower the engine's recent forwards ran than at load:
+  engine.slowdown) minus what those verify steps and the drafter took (negative when it cost
+  more than it saved); the cache saved what computing the cached prompt tokens would have
+  added to the step's own prefill (its measured time, scaled by the prefill cost shape, in
+  which attention grows with the context: engine PrefillCost). None where the counterfactual
+  is unknown (no step costs: speculation="always"; no prefill cost measured).
 - per 1M tokens (an API price sheet): input, cached input and output tokens. Caching saves
   the input/cached-input difference; speculation does not change a token bill (saves 0).
 
@@ -103,8 +107,9 @@ class Pricing(BaseModel):
 
 class Cost(BaseModel):
     usd: float = 0.0
-    saved_by_cache_usd: float = 0.0          # prefill that prefix reuse avoided
-    saved_by_speculation_usd: float = 0.0    # target forwards avoided, net of drafting/rejects
+    saved_by_cache_usd: float | None = 0.0   # prefill that prefix reuse avoided
+    saved_by_speculation_usd: float | None = 0.0  # target forwards avoided, net of drafting
+    #                                               and rejected drafts
 
     @classmethod
     def of_tokens(cls, pricing: Pricing, prompt_tokens: int, cached_tokens: int | None,
@@ -124,8 +129,8 @@ class Cost(BaseModel):
 
     @classmethod
     def of(cls, pricing: Pricing | None, c: SeqCounters, prompt_tokens: int,
-           completion_tokens: int, plain_decode_s: float) -> Cost:
-        """The cost of one generation; `plain_decode_s` is a plain decode step's time."""
+           completion_tokens: int) -> Cost:
+        """The cost of one generation, from its engine counters."""
         if pricing is None:
             return cls()
         if pricing.usd_per_hour is None:
@@ -133,15 +138,25 @@ class Cost(BaseModel):
             assert cost is not None
             return cost
         rate = pricing.usd_per_hour / 3600
-        per_prefill_token = c.prefill_compute_s / c.prefill_tokens if c.prefill_tokens else 0.0
-        if c.plain_steps >= 4:  # this request's own plain steps (speculation stopped, or never ran)
-            plain_decode_s = (c.decode_compute_s - c.verify_compute_s) / c.plain_steps
-        plain = (sum(c.acceptance_lengths) + c.lookup_committed) * plain_decode_s
+        saved_cache, saved_spec = _recompute_s(c), 0.0
+        if c.draft_forwards or c.lookups:  # plain steps for what it committed, minus what it took
+            saved_spec = None if c.plain_equivalent_s is None else \
+                c.plain_equivalent_s - c.speculated_s - c.draft_compute_s
         return cls(
             usd=rate * (c.prefill_compute_s + c.decode_compute_s + c.draft_compute_s),
-            saved_by_cache_usd=rate * c.cached_tokens * per_prefill_token,
-            saved_by_speculation_usd=rate * (plain - c.verify_compute_s - c.draft_compute_s)
-            if c.draft_forwards or c.lookups else 0.0)
+            saved_by_cache_usd=None if saved_cache is None else rate * saved_cache,
+            saved_by_speculation_usd=None if saved_spec is None else rate * saved_spec)
+
+
+def _recompute_s(c: SeqCounters) -> float | None:
+    """Seconds that computing the cached prompt tokens too would have added to the prefill,
+    at the speed the prefill ran: its time over its cost units, times the units the whole
+    prompt costs beyond them (0 without cached tokens; None without a prefill cost)."""
+    if not c.cached_tokens:
+        return 0.0
+    if c.prefill_units is None or c.recompute_units is None or c.prefill_units <= 0:
+        return None
+    return max(0.0, c.prefill_compute_s * (c.recompute_units / c.prefill_units - 1))
 
 
 class Usage(BaseModel):
@@ -168,8 +183,8 @@ class Usage(BaseModel):
     @classmethod
     def from_counters(cls, c: SeqCounters, prompt_tokens: int, completion_tokens: int,
                       target_params: int, draft_params: int, block_size: int, device: str,
-                      tool_s: float, total_s: float, pricing: Pricing | None = None,
-                      plain_decode_s: float = 0.0) -> Usage:
+                      tool_s: float, total_s: float, pricing: Pricing | None = None
+                      ) -> Usage:
         """The usage of one generation from its engine counters and timestamps."""
         t_first = c.first_token_at or c.finished_at or c.submitted_at
         t_admit = c.admitted_at or t_first
@@ -200,7 +215,7 @@ class Usage(BaseModel):
                 prefill_s=max(0.0, t_first - t_admit),
                 decode_s=max(0.0, (c.finished_at or t_first) - t_first),
                 grammar_s=c.grammar_s, tool_s=tool_s, total_s=total_s),
-            cost=Cost.of(pricing, c, prompt_tokens, completion_tokens, plain_decode_s),
+            cost=Cost.of(pricing, c, prompt_tokens, completion_tokens),
         )
 
     def __add__(self, other: Usage) -> Usage:

@@ -274,6 +274,36 @@ class StepCost:
 
 
 @dataclass(frozen=True)
+class PrefillCost:
+    """The time of a prefill forward as a function of its size (`Engine.measure_prefill_cost`,
+    in any one unit: only ratios are used): n prompt tokens computed after p already in the KV
+    cost `fixed + per_token * n + per_pair * n * (p + (n - 1) / 2)`, the last term the
+    attention of each new token over the keys before it."""
+
+    fixed: float
+    per_token: float
+    per_pair: float
+
+    @classmethod
+    def fit(cls, n1: int, n2: int, p: int, t1: float, t2: float, t3: float) -> PrefillCost:
+        """The shape through three measured forwards: n1 and n2 < n1 tokens after none
+        cached (t1, t2), and n1 after p (t3); terms that noise makes negative are 0."""
+        per_pair = max(0.0, (t3 - t1) / (n1 * p)) if p else 0.0
+        a1 = t1 - per_pair * n1 * (n1 - 1) / 2
+        a2 = t2 - per_pair * n2 * (n2 - 1) / 2
+        per_token = max(0.0, (a1 - a2) / (n1 - n2))
+        return cls(max(0.0, a2 - per_token * n2), per_token, per_pair)
+
+    def units(self, n: int, p: int) -> float:
+        """n tokens after p in one forward."""
+        return self.fixed + self.per_token * n + self.per_pair * n * (p + (n - 1) / 2)
+
+    def chunked(self, end: int, chunk: int) -> float:
+        """Computing positions 0 .. end in forwards of `chunk` tokens."""
+        return sum(self.units(min(chunk, end - p), p) for p in range(0, end, chunk))
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding settings. block_size None: the drafter checkpoint's own.
 

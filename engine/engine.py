@@ -18,10 +18,11 @@ from typing import Callable, Iterable, Literal, Sequence as Seq
 
 import torch
 
-from .config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
+from .config import CacheConfig, PrefillCost, SchedulerConfig, SpecConfig, StepCost
 from .constraint import TokenConstraint, follow, masked, propose, settle
 from .errors import ContextLengthError, KVPoolExhaustedError, RequestError
 from .fastpath import Prepared, prepare
+from .slowdown import Slowdown
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
 from .kv.state_pool import StatePool
@@ -167,6 +168,10 @@ class Engine:
                                   prepared.decode, prepared.draft, self.states)
         self.detokenize = detokenize
         self.eos_ids = frozenset(cfg.eos_token_ids)
+        # the shape of prefill costs (measure_prefill_cost), for the counterfactual of what
+        # recomputing a cached prompt would take (SeqCounters.recompute_units)
+        self.prefill_cost: PrefillCost | None = None
+        self.slowdown = Slowdown()  # how much slower than at load the machine runs now
         self.counters = EngineCounters()
         self.lookup_stats = LookupStats(max(self.block_size - 1, 1))
         self._ids = itertools.count()
@@ -316,6 +321,10 @@ class Engine:
             self.counters.draft_s += t_draft
             for item in verify:
                 item.seq.counters.draft_compute_s += t_draft / len(verify)
+            cost = self.spec.cost_at(self._decoding, verify[0].seq.num_tokens)
+            if cost is not None:  # drafts the forward made: each item's block but the anchor
+                rows = max(item.num_tokens for item in verify) - 1
+                self.slowdown.add(t_draft, cost.draft[rows] * cost.plain_s)
             self.counters.draft_forwards += 1
             for i, item in enumerate(verify):
                 n = item.num_tokens - 1
@@ -343,6 +352,9 @@ class Engine:
         out = self.runner.forward(items)
         t_forward = time.perf_counter() - t0
         self.counters.target_s += t_forward
+        quiet = self._quiet_s(items)
+        if quiet is not None:
+            self.slowdown.add(t_forward, quiet)
         fed = sum(item.num_tokens for item in items)
         self.counters.steps += 1
         self.counters.target_forwards += 1
@@ -409,6 +421,7 @@ class Engine:
 
     def _count(self, item: BatchItem, forward_s: float) -> None:
         seq, c, n = item.seq, item.seq.counters, item.num_tokens
+        item.forward_s = forward_s
         c.target_forwards += 1
         if self.drafter is not None:
             c.draft_context_tokens += n
@@ -416,6 +429,14 @@ class Engine:
             c.prefill_tokens += n
             c.prefill_compute_s += forward_s
             self.counters.prefill_tokens += n
+            cost = self.prefill_cost
+            if cost is None or c.prefill_units is None:
+                c.prefill_units = c.recompute_units = None
+            else:
+                c.prefill_units += cost.units(n, item.start)
+                if item.start + n == len(seq.prompt_ids):  # what computing all of it costs
+                    c.recompute_units = cost.chunked(
+                        len(seq.prompt_ids), self.scheduler.config.max_batch_tokens)
         else:
             c.decode_tokens += n
             c.decode_compute_s += forward_s
@@ -462,6 +483,7 @@ class Engine:
             c.lookup_tokens += len(draft)
             c.lookup_accepted += verdict.accepted
             c.lookup_committed += kept
+            self._count_speculated(item, kept)
             self.lookup_stats.record(seq.lookup_match, len(draft), verdict.accepted)
             update.lookup_tokens = len(draft)
             self.counters.lookups += 1
@@ -469,6 +491,7 @@ class Engine:
             self.counters.lookup_accepted += verdict.accepted
         elif item.verifies and item.source == "drafter":
             c = seq.counters
+            self._count_speculated(item, kept)
             c.draft_forwards += 1
             c.draft_tokens += len(draft)
             c.accepted_tokens += verdict.accepted
@@ -487,6 +510,34 @@ class Engine:
         if seq.finish_reason is not None:
             update = self._finish(seq, update)
         return update
+
+    def _count_speculated(self, item: BatchItem, kept: int) -> None:
+        """A drafted or context-drafted verify step's time, and what plain decode steps for
+        its `kept` tokens would have taken: their time at load (its step costs, one
+        sequence's share), times how much slower the machine runs now."""
+        c = item.seq.counters
+        c.speculated_s += item.forward_s
+        cost = item.cost or self.spec.cost_at(self._decoding, item.start)
+        slowdown = self.slowdown.factor
+        if cost is None or slowdown is None or c.plain_equivalent_s is None:
+            c.plain_equivalent_s = None
+        else:
+            c.plain_equivalent_s += kept * cost.plain_s / cost.batch * slowdown
+
+    def _quiet_s(self, items: list[BatchItem]) -> float | None:
+        """What a forward over `items` took at load (step and prefill costs), if known."""
+        total = 0.0
+        for item in items:
+            if item.start < len(item.seq.prompt_ids):
+                if self.prefill_cost is None:
+                    return None
+                total += self.prefill_cost.units(item.num_tokens, item.start)
+            else:
+                cost = item.cost or self.spec.cost_at(self._decoding, item.start)
+                if cost is None:
+                    return None
+                total += cost.verify[item.num_tokens - 1] * cost.plain_s / cost.batch
+        return total
 
     def _first_rows(self) -> int:
         """Drafts a request proposes at first, and at least after halving (SpecConfig)."""
@@ -604,6 +655,40 @@ class Engine:
                                  _interpolate(lengths, ys, range(1, self.block_size + 1)))
         return StepCost(per_k(draft), per_k(target), plain, context, batch)
 
+    def measure_prefill_cost(self, tokens: int = 256, context: int = 1024,
+                             rounds: int = 3) -> PrefillCost:
+        """The shape of prefill costs (PrefillCost), fitted to the median times of three
+        forwards, interleaved over `rounds`: `tokens` prompt tokens and 16 computed after none
+        cached, and `tokens` after `context` cached (shorter where the model's context is).
+        Needs an idle engine; clears the prefix cache."""
+        assert not self.has_work(), "needs an idle engine"
+        page = self.kv.page_size
+        room = (self.kv.max_reservable() - 2) * page  # tokens one request can hold here
+        n1 = min(tokens, self.scheduler.config.max_batch_tokens, self.max_model_len // 4,
+                 room // 2)
+        if n1 < 2:
+            raise KVPoolExhaustedError("measuring prefill needs more free KV pages")
+        n2 = max(1, min(16, n1 // 4))
+        context = max(0, min(context, self.max_model_len - n1 - 2, room - n1)) // page * page
+        cases = [(n1, 0), (n2, 0), (n1, context)]
+        times: list[list[float]] = [[] for _ in cases]
+        starts = [0] * len(cases)
+        for r in range(rounds):
+            for i, (n, start) in enumerate(cases):
+                prompt = [(13 * j + 7 * r + 5 * i + 1) % self.config.vocab_size
+                          for j in range(start + n)]
+                if start:  # the context, cached by a request of its own
+                    self.generate([prompt[:start]], SamplingParams(max_new_tokens=1))
+                seq_id = self.submit(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+                t0 = self.counters.target_s
+                while seq_id not in self._done:
+                    self.step()
+                times[i].append(self.counters.target_s - t0)
+                starts[i] = self.result(seq_id).counters.cached_tokens
+                self.clear_cache()
+        # (starts[2]: the context that was cached; a hybrid target may reuse less)
+        return PrefillCost.fit(n1, n2, starts[2], *(statistics.median(t) for t in times))
+
     def _time_blocks(
         self, context: int, blocks: list[int], steps: int, batch: int = 1
     ) -> tuple[int, list[float], list[float]]:
@@ -626,7 +711,7 @@ class Engine:
             raise KVPoolExhaustedError(f"measuring {batch} requests needs more KV pages than "
                                        "the pool can free")
         vocab = self.config.vocab_size
-        spec, self.spec = self.spec, replace(self.spec, cost=None, batch_costs=())
+        spec, self.spec = self.spec, replace(self.spec, cost=None, batch_costs=(), long_cost=None)
         ids = [self.submit([(7 * i + 11 * r + 3) % vocab for i in range(context)],
                            SamplingParams(max_new_tokens=budget, ignore_eos=True),
                            reuse=False) for r in range(batch)]

@@ -51,6 +51,7 @@ class BatchItem:
     # whose drafts: the drafter's, the caller's prediction, or read from the context (engine.lookup)
     source: Literal["drafter", "prediction", "context"] = "drafter"
     cost: StepCost | None = None        # the step costs its verify length was chosen with
+    forward_s: float = 0.0              # its share of the forward's seconds (by tokens fed)
     start: int = field(init=False)
     verifies: bool = field(init=False)
     samples: bool = field(init=False)   # yields the sequence's next token(s)

@@ -54,6 +54,16 @@ class SeqCounters:
     decode_compute_s: float = 0.0     # decode and verify items
     verify_compute_s: float = 0.0     # of which verify items
     draft_compute_s: float = 0.0
+    # for the counterfactuals (agentflash.usage), what its speculation cost and what plain
+    # decoding would have: the forward time of its drafted and context-drafted verify steps,
+    # and the seconds plain decode steps for the tokens they committed would have taken (their
+    # cost at load, StepCost at the step's batch and context, times the engine's slowdown
+    # then; None without step costs); and the prefill cost units (PrefillCost) of the chunks
+    # it computed and of computing its whole prompt (None without a prefill cost)
+    speculated_s: float = 0.0
+    plain_equivalent_s: float | None = 0.0
+    prefill_units: float | None = 0.0
+    recompute_units: float | None = 0.0
 
     @property
     def plain_steps(self) -> int:

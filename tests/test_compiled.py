@@ -274,34 +274,34 @@ from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 
 model = load_model(embedded_model_dir(), dtype=torch.bfloat16)
-engine = Engine(model, compile=True)
+drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
+engine = Engine(model, drafter=drafter, compile=True)
 prompt = [(7 * i + 3) % 4000 for i in range(300)]
 params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-plain = engine.generate([prompt], params)[0].output_ids
-drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
-spec = Engine(model, drafter=drafter, compile=True)
-print(json.dumps({"loaded": cpu_ops.loaded(), "fast_paths": [engine.fast_paths, spec.fast_paths],
-                  "kernels": engine.runner.decode.kernels,
-                  "head": type(model.lm_head).__name__, "plain": plain,
-                  "spec": spec.generate([prompt], params)[0].output_ids}))
+plain = engine.generate([prompt], params, speculative=False)[0]
+spec = engine.generate([prompt], params, reuse=False)[0]  # its prompt computed the same way
+print(json.dumps({"loaded": cpu_ops.loaded(), "fast_paths": engine.fast_paths,
+                  "kernels": engine.runner.decode.kernels, "drafts": spec.counters.draft_forwards,
+                  "head": type(model.lm_head).__name__, "plain": plain.output_ids,
+                  "spec": spec.output_ids}))
 """
 
 
 def test_without_the_cpu_kernels_the_engine_keeps_onednn(tmp_path):
     """Where the kernels do not build or run (a process that never loads them:
-    $AGENTFLASH_CPU_KERNELS=0), the compiled step runs without them: the same tokens as plain
-    speculative decoding on that program, and the head stays oneDNN's."""
+    $AGENTFLASH_CPU_KERNELS=0), the compiled step runs without them: the same tokens decoding
+    plainly and speculatively through that program, and the head stays oneDNN's."""
     env = {**os.environ, "AGENTFLASH_CPU_KERNELS": "0"}
     run = subprocess.run([sys.executable, "-c", _WITHOUT_KERNELS], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     assert not out["loaded"] and not out["kernels"]
-    for paths in out["fast_paths"]:
-        assert "aoti-compiled-step" in paths and "cpu-kernels" not in paths
+    assert "aoti-compiled-step" in out["fast_paths"] and "cpu-kernels" not in out["fast_paths"]
     if packing_available():
         assert out["head"] == "PackedLinear"
-    assert out["spec"] == out["plain"] and len(out["plain"]) == 24
+    # plain and speculative decoding through the same program
+    assert out["spec"] == out["plain"] and len(out["plain"]) == 24 and out["drafts"] > 0
 
 
 @CPU_KERNELS.mark

@@ -206,6 +206,42 @@ def test_prediction_right_is_accepted_and_wrong_changes_nothing(client, rt):
     assert p.accepted_prediction_tokens == p.rejected_prediction_tokens == 0
 
 
+FUNCTIONS_AS_TEXT = ("You can use these functions: get_weather(city), add(a, b), "
+                     "search(query). Reply to the user.")
+PLAIN_PROMPTS = [
+    [SYSTEM, {"role": "user", "content": text}] for text in (
+        "List three colors.", "Say hello.", "What is 2 + 2?", "Name a fruit.",
+        "Write one sentence about the sea.", "What is the weather in Paris right now?")
+] + [
+    [{"role": "system", "content": FUNCTIONS_AS_TEXT}, {"role": "user", "content": text}]
+    for text in ("What is the weather in Oslo?", "Add 2 and 3.", "Search for cheap flights.",
+                 "Hi!", "What can you do?", "Find the weather in Rome and add 1 and 1.")
+]
+
+
+def test_without_tools_the_models_text_is_the_content(client, rt):
+    """No text vanishes where calls are not allowed: call markup the model writes is content,
+    streamed exactly as returned; a right Predicted Output of it is accepted."""
+    accepted = completion = 0
+    for messages in PLAIN_PROMPTS:
+        kwargs = dict(model=MODEL, messages=messages, temperature=0, max_tokens=64)
+        r = client.chat.completions.create(**kwargs)
+        message = r.choices[0].message
+        assert message.tool_calls is None and message.content
+        assert len(rt.chat.encode(message.content)) >= 0.8 * r.usage.completion_tokens, message
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            message.content
+        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        again = client.chat.completions.create(
+            **kwargs, prediction={"type": "content", "content": message.content})
+        assert again.choices[0].message.content == message.content
+        accepted += again.usage.completion_tokens_details.accepted_prediction_tokens
+        completion += again.usage.completion_tokens
+    print(f"\nright predictions: {accepted} of {completion} completion tokens accepted")
+    assert accepted >= 0.8 * completion
+
+
 def test_session_pins_until_delete_and_ttl(client, rt, base_url):
     r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=16,
                                        extra_body={"session": {"id": "s1", "ttl_s": 120}})

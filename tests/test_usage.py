@@ -103,21 +103,78 @@ def test_token_pricing_is_the_price_sheet():
             Pricing(**bad)
 
 
-def test_speculation_savings_count_context_draft_steps():
-    """Steps that verified context drafts (engine.lookup, no drafter forward) are speculation:
-    the plain steps they replaced are saved, and they are not taken for plain steps."""
+def test_savings_are_priced_at_the_speed_the_step_ran():
+    """The counterfactuals come from the step's own counters: speculation saved the plain
+    steps for what it committed minus its verify steps and drafter forwards; the cache saved
+    what computing the cached tokens would have added to the prefill it ran."""
     from agentflash.engine.sequence import SeqCounters
 
-    # 10 plain steps of 1 ms and 5 context-draft steps of 1.5 ms that fed 1 + 3 tokens each
-    # and committed 12 tokens in all
-    c = SeqCounters(decode_tokens=10 + 5 * 4, lookups=5, lookup_tokens=15, lookup_accepted=7,
-                    lookup_committed=12, decode_compute_s=0.010 + 0.0075,
-                    verify_compute_s=0.0075)
-    u = Usage.from_counters(c, 100, 23, 10, 0, 16, "cpu", 0.0, 1.0, HOURLY)
-    assert u.speculative.lookups == 5 and u.speculative.lookup_accepted == 7
-    assert u.speculative.drafts == 0
-    # 12 tokens at 1 ms a plain step, against the 7.5 ms those steps took (1e-3 USD a second)
-    assert u.cost.saved_by_speculation_usd == pytest.approx((0.012 - 0.0075) * 1e-3)
+    c = SeqCounters(cached_tokens=600, prefill_tokens=400, prefill_compute_s=0.040,
+                    prefill_units=4.0, recompute_units=10.0, draft_forwards=3,
+                    draft_compute_s=0.002, speculated_s=0.006, plain_equivalent_s=0.017)
+    u = Usage.from_counters(c, 1000, 23, 10, 0, 16, "cpu", 0.0, 1.0, HOURLY)
+    assert u.cost.saved_by_cache_usd == pytest.approx(0.040 * (10 / 4 - 1) * 1e-3)
+    assert u.cost.saved_by_speculation_usd == pytest.approx((0.017 - 0.006 - 0.002) * 1e-3)
+    # what cannot be known says so: no step costs, no prefill cost
+    unknown = SeqCounters(cached_tokens=600, prefill_tokens=400, lookups=2,
+                          plain_equivalent_s=None, prefill_units=None, recompute_units=None)
+    w = Usage.from_counters(unknown, 1000, 23, 10, 0, 16, "cpu", 0.0, 1.0, HOURLY)
+    assert w.cost.saved_by_cache_usd is None and w.cost.saved_by_speculation_usd is None
+    assert (u + w).cost.saved_by_cache_usd is None  # a sum with an unknown term is unknown
+    none = SeqCounters(prefill_tokens=400, prefill_units=None, plain_equivalent_s=None)
+    x = Usage.from_counters(none, 400, 23, 10, 0, 16, "cpu", 0.0, 1.0, HOURLY)
+    assert x.cost.saved_by_cache_usd == 0 and x.cost.saved_by_speculation_usd == 0
+
+
+def test_the_slowdown_is_recent_time_over_time_at_load():
+    from agentflash.engine.slowdown import Slowdown
+
+    s = Slowdown()
+    assert s.factor is None
+    for _ in range(50):
+        s.add(0.002, 0.002)
+    assert s.factor == pytest.approx(1.0)
+    for _ in range(1000):  # the machine gets three times slower: the factor follows
+        s.add(0.006, 0.002)
+    assert s.factor == pytest.approx(3.0, rel=1e-3)
+    s.add(0.100, 0.002)  # one forward the OS delayed moves it by its share only
+    assert s.factor < 3.6
+
+
+def test_the_prefill_cost_shape_is_fitted_through_its_measurements():
+    from agentflash.engine.config import PrefillCost
+
+    shape = PrefillCost(fixed=3.0, per_token=0.05, per_pair=1e-5)
+    times = (shape.units(256, 0), shape.units(16, 0), shape.units(256, 1024))
+    fitted = PrefillCost.fit(256, 16, 1024, *times)
+    assert fitted.fixed == pytest.approx(3.0) and fitted.per_token == pytest.approx(0.05)
+    assert fitted.per_pair == pytest.approx(1e-5)
+    # attention grows with the context: a token costs more after more keys
+    assert shape.units(100, 2000) > shape.units(100, 0)
+    # chunks of 512: 1200 positions are three forwards
+    assert shape.chunked(1200, 512) == pytest.approx(
+        shape.units(512, 0) + shape.units(512, 512) + shape.units(176, 1024))
+
+
+@pytest.mark.anyio
+async def test_the_engine_counts_both_counterfactuals(rt):
+    """A turn that hits the cache and speculates has both counterfactuals counted at load's
+    costs; a runtime without step costs (speculation="always") knows no speculation saving."""
+    assert rt.engine.prefill_cost is not None
+    async with Agent(rt, "Be brief.", tools=[add], max_tokens=48) as agent:
+        await agent.step("Add 2 and 3 with the add tool.")
+        step = await agent.step("Now add 4 and 5.")
+    assert step.usage.prompt_tokens_details.cached_tokens > 0
+    assert step.usage.cost.saved_by_cache_usd > 0
+    assert step.usage.cost.saved_by_speculation_usd is not None
+    always = Runtime.load(pricing=HOURLY, speculation="always")
+    try:
+        async with Agent(always, tools=[add], max_tokens=32) as agent:
+            step = await agent.step("Add 5 and 6.")
+        assert step.usage.speculative.drafts > 0
+        assert step.usage.cost.saved_by_speculation_usd is None
+    finally:
+        always.close()
 
 
 @pytest.mark.anyio
@@ -165,22 +222,11 @@ async def test_opentelemetry_genai_spans(rt):
         assert span.parent.span_id == run.context.span_id
 
 
-def test_load_measures_step_costs_and_a_plain_step_that_grows_with_context(rt):
+def test_load_measures_step_costs_and_the_prefill_shape(rt):
     cost = rt.step_cost
     assert cost is not None and cost.verify[0] == 1.0 and cost.draft[0] == 0.0
     assert len(cost.verify) == len(cost.draft) == rt.engine.block_size
     assert min(cost.draft[1:]) > 0  # a drafter forward for every verify length
-    short, long = rt.plain_step_s(cost.context), rt.plain_step_s(4000)
-    assert short == cost.plain_s  # the short point is the unit of the step costs, not re-measured
-    assert 0 < short <= long      # attention over a longer context costs at least as much
-    assert rt.plain_step_s(0) == short  # never below the shortest measurement
     assert rt.engine.spec.cost == cost  # speculation="auto" serves with them
-
-
-def test_plain_step_never_decreases_with_context_even_when_the_long_measurement_was_faster(rt):
-    measured = rt._plain_at
-    rt._plain_at = ((256, 0.020), (2048, 0.015))  # noise: the long context timed faster
-    try:
-        assert [rt.plain_step_s(c) for c in (0, 256, 1000, 4000)] == [0.020] * 4
-    finally:
-        rt._plain_at = measured
+    shape = rt.engine.prefill_cost
+    assert shape.units(256, 0) > shape.units(16, 0) > 0

