@@ -59,8 +59,8 @@ SERIAL_FUSED = {"cpp.threads": 1}
 RoPE, SiLU, the K/V stores) run on the calling thread, without an OpenMP region each. Every op
 whose work grows with the weights or the context is then a kernel that splits over all threads;
 what is left works on a step's rows, a few hundred to a few thousand elements, less work than
-opening a region and waiting at its barrier. Measured (docs/performance.md, stop 47): one
-sequence's decode +2-7%, DFlash +3-5%, 4 to 32 sequences decoding together no slower.
+opening a region and waiting at its barrier: one sequence's decode and DFlash run faster, and
+many sequences decoding together no slower (docs/performance.md).
 Without the kernels the program gathers each layer's context itself, so its kernels keep
 their threads."""
 

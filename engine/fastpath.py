@@ -51,8 +51,8 @@ and so runs by default:
   already int8 and is shared, through a view). Its forward and the context store of every step
   read half the bytes: on agentflash-11m the drafter's forward costs ~20% less, and a replay of
   its drafts on held-out agent prompts (tools/eval_policy.py) commits as many tokens per step as
-  the bfloat16 drafter's (docs/performance.md, stop 40). Its layers are `dynamic` (x's rows
-  quantized to 16-bit integers in the kernel, summed exactly in int32: stop 45).
+  the bfloat16 drafter's (docs/performance.md). Its layers are `dynamic` (x's rows quantized
+  to 16-bit integers in the kernel, summed exactly in int32).
 
 Hybrid targets (Qwen3.5, engine.models.qwen3_5) run eager; in bfloat16 on a CPU without native
 bf16 matmuls their linears and MoE experts run the CPU kernel (`cpu-kernel-linears`), else

@@ -10,7 +10,7 @@
 - `linear_int8(..., dynamic=True)` (the op `linear_int8_dynamic`): int8 weights times x's rows quantized on the
   fly to 16-bit integers, summed exactly in int32 (AVX512-VNNI's `vpdpwssd`, else
   `vpmaddwd`): 1.3-2.9x the float32 kernel on a drafter's 1-15 rows with
-  its weights in cache, about the same speed at 1-2 rows from memory (stop 45); a drafter's
+  its weights in cache, about the same speed at 1-2 rows from memory; a drafter's
   numbers only decide what it proposes.
 - `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
   each query over its sequence's keys in the paged pool, read in place through its page table

@@ -3,8 +3,7 @@
 // Why they exist: a compiled step calls an op without a C shim through AOTInductor's proxy
 // executor, which boxes every argument and dispatches by name on each call: 33 calls in the 11m
 // step (25 linears, 6 attentions, the drafter's 2 context projections), 5 in its draft. With
-// these, the program calls the ops as plain C functions: DFlash "auto" +5.5%, plain decoding +2%
-// (alternated in one process on a 2-core Xeon; docs/performance.md, stop 44). Their names and
+// these, the program calls the ops as plain C functions, without that overhead. Their names and
 // arguments follow AOTInductor's convention for `aot_inductor.custom_ops_to_c_shims` (kernels/cpu_ops.py: `aoti_shims` declares them):
 // tensors as handles, optional tensors as pointers to handles (null for None), the result
 // through the last pointer. The library is loaded with its symbols global, so a program that
