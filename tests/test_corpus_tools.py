@@ -80,8 +80,8 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
 
 def test_drafter_data_adds_a_second_set_without_repeating_the_first(tmp_path: Path):
     from agentflash.embedded import embedded_model_dir
-    from agentflash.engine.models.dflash_train import read_jsonl
-    from agentflash.engine.regenerate import prompts_of
+    from agentflash.training.data import read_jsonl
+    from agentflash.training.regenerate import prompts_of
     from drafter_data import main
 
     corpus = str(Path(__file__).parent / "data" / "heldout.jsonl")

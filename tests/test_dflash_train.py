@@ -16,14 +16,14 @@ from agentflash.engine.attention import DenseCausal
 from agentflash.engine.config import RopeConfig
 from agentflash.engine.models import CausalLM, load_model
 from agentflash.engine.models.dflash import DFlashConfig, DFlashDraftModel, LayerKind, load_drafter
-from agentflash.engine.models.dflash_train import (
-    Example, TrainConfig, TrainLog, anchor_block_mask, build_batch, default_gamma, draft_hidden,
-    decode_walk, drafter_config_json, evaluate, init_drafter, position_weights, read_jsonl,
-    save_drafter, train,
-)
 from agentflash.engine.engine import Engine
 from agentflash.engine.sampler import SamplingParams
-from agentflash.engine.regenerate import prompts_of, regenerate
+from agentflash.training.data import Example, read_jsonl
+from agentflash.training.dflash import (TrainConfig, TrainLog, anchor_block_mask, build_batch,
+                                        decode_walk, default_gamma, draft_hidden, evaluate,
+                                        position_weights, train)
+from agentflash.training.drafter_checkpoint import drafter_config_json, init_drafter, save_drafter
+from agentflash.training.regenerate import prompts_of, regenerate
 from agentflash.kernels import reference
 from conftest import make_dflash_checkpoint, make_hf_model, save_hf_model
 

@@ -18,11 +18,11 @@ from agentflash.engine import fastpath
 from agentflash.engine.config import CacheConfig, SpecConfig
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
-from agentflash.engine.models.dflash_train import init_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.quantized import Int8Linear
 from agentflash.engine.sampler import SamplingParams
 from agentflash.tokenizer import load_tokenizer
+from agentflash.training.drafter_checkpoint import init_drafter
 from skips import CPU_KERNELS, ROW_INVARIANT_BF16
 
 HELDOUT = Path(__file__).parent / "data" / "heldout.jsonl"

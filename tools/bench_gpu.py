@@ -28,10 +28,10 @@ import torch.nn.functional as F
 
 from agentflash.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpecConfig
 from agentflash.engine.engine import Engine
-from agentflash.engine.models.dflash_train import init_drafter
 from agentflash.engine.models.qwen3 import CausalLM
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import dispatch, reference
+from agentflash.training.drafter_checkpoint import init_drafter
 
 # Qwen3-8B (config.json of Qwen/Qwen3-8B): 36 layers, hidden 4096, 32 query / 8 KV heads of 128
 QWEN3_8B = dict(

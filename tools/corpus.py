@@ -2,7 +2,7 @@
 
 `Tokenized.encode(conv)` renders a conversation with the tokenizer's own chat template and marks
 the assistant's tokens (what follows `<|im_start|>assistant\\n`, through `<|im_end|>`): the loss
-mask of `engine.models.dflash_train.Example`. `prompts(conv)` gives every prefix that ends where
+mask of `agentflash.training.data.Example`. `prompts(conv)` gives every prefix that ends where
 the model must start an assistant turn, with the reference reply that followed it.
 """
 
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from agentflash.engine.models.dflash_train import Example
+from agentflash.training.data import Example
 
 
 def read_conversations(path: str | Path) -> list[dict]:

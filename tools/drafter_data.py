@@ -21,8 +21,8 @@ import random
 
 from transformers import AutoTokenizer
 
-from agentflash.engine.models.dflash_train import Example, read_jsonl, write_jsonl
-from agentflash.engine.regenerate import prompts_of
+from agentflash.training.data import Example, read_jsonl, write_jsonl
+from agentflash.training.regenerate import prompts_of
 from corpus import Tokenized, read_conversations
 
 

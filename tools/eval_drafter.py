@@ -38,9 +38,9 @@ from agentflash.engine.config import CacheConfig, SpecConfig
 from agentflash.engine.device import resolve_device, resolve_dtype
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
-from agentflash.engine.models.dflash_train import init_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
+from agentflash.training.drafter_checkpoint import init_drafter
 from corpus import Prompt, Tokenized, read_conversations
 
 BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, 1 << 30))

@@ -7,7 +7,7 @@
 Each line of --data is an `Example` (tools/drafter_data.py); its prompt (the tokens before the
 first loss_mask 1) is kept and its reply replaced by the target's greedy continuation of at
 most --response-len tokens (or one sampled at --temperature, example i seeded by --seed + i),
-generated batched by the engine (`engine.regenerate`). The spec
+generated batched by the engine (`agentflash.training.regenerate`). The spec
 trains drafters on these. `tools/train_drafter.py --regenerate` does the same before training;
 this tool makes a data set once, to train on it several times or to add to an earlier one.
 """
@@ -18,9 +18,9 @@ import argparse
 import time
 
 from agentflash.engine.device import resolve_device, training_dtype
-from agentflash.engine.models.dflash_train import read_jsonl, write_jsonl
 from agentflash.engine.models.loader import load_model
-from agentflash.engine.regenerate import regenerate, prompts_of
+from agentflash.training.data import read_jsonl, write_jsonl
+from agentflash.training.regenerate import prompts_of, regenerate
 
 
 def main(argv: list[str] | None = None) -> None:

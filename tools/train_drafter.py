@@ -31,14 +31,13 @@ import time
 import torch
 
 from agentflash.engine.device import resolve_device, resolve_dtype, training_dtype
-from agentflash.engine.models.dflash_train import (
-    Example, Scores, TrainConfig, TrainLog, evaluate, init_drafter, read_jsonl,
-    save_drafter, train, write_jsonl,
-)
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
-from agentflash.engine.regenerate import prompts_of, regenerate
 from agentflash.engine.models.qwen3 import CausalLM
+from agentflash.training.data import Example, read_jsonl, write_jsonl
+from agentflash.training.dflash import Scores, TrainConfig, TrainLog, evaluate, train
+from agentflash.training.drafter_checkpoint import init_drafter, save_drafter
+from agentflash.training.regenerate import prompts_of, regenerate
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .config import CacheConfig, SchedulerConfig
-from .engine import Engine
-from .models.dflash_train import Example
-from .models.qwen3 import CausalLM
-from .sampler import SamplingParams
+from ..engine.config import CacheConfig, SchedulerConfig
+from ..engine.engine import Engine
+from ..engine.models.qwen3 import CausalLM
+from ..engine.sampler import SamplingParams
+from .data import Example
 
 
 def prompts_of(examples: Sequence[Example]) -> list[list[int]]:
