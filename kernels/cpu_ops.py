@@ -1,8 +1,8 @@
-"""agentflash's CPU kernels for decode rows and verify blocks (kernels/cpu/*.cpp, ops in the
+"""agentflash's CPU kernels for decode rows and verify blocks (kernels/cpu/, ops in the
 `torch.ops.agentflash` namespace), for bfloat16 weights and activations:
 
 - `linear(x, weight, bias, residual)`: y = x W^T + b (+ residual) in bfloat16 for few rows
-  (linear.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in its plain
+  (common/linear_op.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in its plain
   layout.
 - `linear_int8(x, qweight, scale, bias)`: the same for int8 weights with a float32 scale per
   output row (half the bytes of bfloat16): int8 turned into bfloat16 in registers (AVX512-BF16)
@@ -14,11 +14,12 @@
   numbers only decide what it proposes.
 - `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
   each query over its sequence's keys in the paged pool, read in place through its page table
-  (attention.cpp): no gathered copy of the context, no batched-matmul calls.
+  (common/attention_op.cpp): no gathered copy of the context, no batched-matmul calls.
 - `top1(logits, with_prob)`: each row's argmax and the softmax probability there, for a step's
-  float32 logits (top1.cpp): a few microseconds where torch's reductions take tens.
+  float32 logits (common/top1.cpp): a few microseconds where torch's reductions take tens.
 
-Each has one implementation per instruction set (`ISAS`, the first the CPU has is built):
+Each has one implementation per instruction set (`ISAS`, the first the CPU has is built; its
+files are kernels/cpu/<set>/, one op each, compiled with common/'s):
 AVX512-BF16 (`vdpbf16ps` on bfloat16 pairs), AVX512 without bf16 and AVX2 + FMA (bfloat16
 widened to float32 in registers, 16 or 8 lanes: CPUs without native bf16, where torch's bf16
 matmul is emulated and slow). All
@@ -56,44 +57,56 @@ log = logging.getLogger(__name__)
 
 _loaded = False  # load() succeeded in this process
 
-_DIR = Path(__file__).with_name("cpu")
-COMMON = ("linear.cpp", "attention.cpp", "top1.cpp", "shims.cpp")
-HEADERS = ("kernels.h", "ops.h", "simd_avx512.h", "simd_avx2.h", "linear_avx2.h")
+_DIR = Path(__file__).with_name("cpu")  # common/ (every set's), then one folder per set
+COMMON = "common"
 
 
 @dataclass(frozen=True)
 class Isa:
-    """One instruction set the kernels are written for."""
+    """One instruction set the kernels are written for: its files are kernels/cpu/<name>/, one
+    op each (and, with a `base`, the base set's files it has none of its own for)."""
 
     name: str
     cpu_flags: tuple[str, ...]   # what /proc/cpuinfo must list
-    sources: tuple[str, ...]     # its implementation files (beside COMMON)
     flags: tuple[str, ...]       # compiler flags (CPU_CAPABILITY picks ATen's vector headers)
     extras: tuple[tuple[str, str], ...] = ()  # (CPU flag, compiler flag): added where it has it
+    base: str | None = None      # the set whose files it shares
 
 
 ISAS = (  # in order of preference
     Isa("avx512-bf16", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"),
-        ("linear_avx512.cpp", "linear_dynamic_avx512.cpp", "attention_avx512.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"),
-        (("avx512_vnni", "-mavx512vnni"),)),
+        (("avx512_vnni", "-mavx512vnni"),), base="avx512"),
     # AVX512 without native bf16 (Skylake-SP to Ice Lake)
     Isa("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
-        ("linear_avx512f.cpp", "linear_dynamic_avx512.cpp", "attention_avx512f.cpp"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"),
         (("avx512_vnni", "-mavx512vnni"),)),
     Isa("avx2", ("avx2", "fma"),
-        ("linear_avx2.cpp", "linear_int8_avx2.cpp", "linear_dynamic_avx2.cpp",
-         "attention_avx2.cpp"),
         ("-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2")),
 )
 
 
+def own_sources(chosen: Isa) -> list[Path]:
+    """The set's own implementation files: its folder's, then its base's that it has no file
+    of the same name for."""
+    own = sorted((_DIR / chosen.name).glob("*.cpp"))
+    if chosen.base is not None:
+        names = {path.name for path in own}
+        own += [path for path in sorted((_DIR / chosen.base).glob("*.cpp"))
+                if path.name not in names]
+    return own
+
+
 def source_paths(chosen: Isa) -> list[Path]:
-    """The files one instruction set's library is compiled from (headers in their folder)."""
-    return [_DIR / name for name in COMMON + chosen.sources]
+    """The files one instruction set's library is compiled from: common/ and its own."""
+    return sorted((_DIR / COMMON).glob("*.cpp")) + own_sources(chosen)
+
+
+def _headers(chosen: Isa) -> list[Path]:
+    folders = [COMMON, chosen.name, *([chosen.base] if chosen.base else [])]
+    return [path for folder in folders for path in sorted((_DIR / folder).glob("*.h"))]
 
 
 def build_flags(chosen: Isa) -> tuple[str, ...]:
@@ -145,8 +158,9 @@ def source_digest() -> str:
     programs' keys)."""
     chosen = isa()
     h = hashlib.blake2b(repr((chosen, chosen and build_flags(chosen))).encode(), digest_size=8)
-    for name in COMMON + HEADERS + (chosen.sources if chosen else ()):
-        h.update((_DIR / name).read_bytes())
+    for path in (source_paths(chosen) + _headers(chosen) if chosen
+                 else sorted((_DIR / COMMON).iterdir())):
+        h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()
 
 
@@ -192,7 +206,7 @@ def load() -> str | None:
                                    extra_include_paths=[str(_DIR)], extra_ldflags=["-fopenmp"],
                                    build_directory=str(build), is_python_module=False)
                 complete.touch()
-        # its symbols global: compiled programs call the ops' C shims (shims.cpp) by name
+        # its symbols global: compiled programs call the ops' C shims (common/shims.cpp) by name
         ctypes.CDLL(str(library), mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     except Exception as error:  # no compiler, no ninja, a failed build
         return f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[-1][:300]}"
@@ -219,7 +233,7 @@ def loaded() -> bool:
 
 
 def aoti_shims() -> dict[torch._ops.OpOverload, list[str]]:
-    """The ops' C shims (shims.cpp) as AOTInductor's `aot_inductor.custom_ops_to_c_shims`
+    """The ops' C shims (common/shims.cpp) as AOTInductor's `aot_inductor.custom_ops_to_c_shims`
     declares them: a compiled program calls these functions directly, not through its proxy
     executor. Empty unless the library is loaded here."""
     if not _loaded:

@@ -221,7 +221,7 @@ def test_the_program_is_cached_on_disk(model):
 
 @CPU_KERNELS.mark
 def test_the_programs_call_the_kernels_through_their_c_shims(model):
-    """A program calls the CPU kernels as C functions (kernels/cpu/shims.cpp), not through
+    """A program calls the CPU kernels as C functions (kernels/cpu/common/shims.cpp), not through
     AOTInductor's proxy executor, which boxes every argument on every call."""
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
     for program in (CompiledForward.build(model, drafter, page_size=PAGE).program,

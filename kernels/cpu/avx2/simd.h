@@ -1,4 +1,4 @@
-// AVX2 helpers shared by agentflash's AVX2 kernels (linear_avx2.cpp, attention_avx2.cpp).
+// AVX2 helpers shared by agentflash's AVX2 kernels (avx2/linear.cpp, avx2/attention.cpp).
 #pragma once
 
 #include <immintrin.h>

@@ -1,10 +1,10 @@
-// The AVX2 (+FMA) implementation of linear.cpp's `linear_int8_columns` (kernels.h): y = (x . q)
+// The AVX2 (+FMA) implementation of common/linear_op.cpp's `linear_int8_columns` (kernels.h): y = (x . q)
 // * scale for int8 weights q [N, K] with one float32 scale per row, bfloat16 x and y (the
-// AVX512-BF16 library has its own: linear_avx512.cpp), with linear_avx2.h's kernel: a chunk
+// AVX512-BF16 library has its own: avx512-bf16/linear.cpp), with avx2/linear.h's kernel: a chunk
 // of 16 int8 weights becomes its first and its second 8 as float32 (exact), x's chunk the same
 // halves of its bfloat16 values. A decode step reads half the bytes of bfloat16 weights.
 
-#include "linear_avx2.h"
+#include "linear.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// The AVX512 implementation of linear.cpp's `linear_int8_dynamic_columns` (kernels.h), for both
+// The AVX512 implementation of common/linear_op.cpp's `linear_int8_dynamic_columns` (kernels.h), for both
 // AVX512 libraries (with and without AVX512-BF16): int8 weights times x's rows quantized on the
 // fly to 16-bit integers, the products summed exactly in int32.
 //
@@ -15,7 +15,7 @@
 //
 // Every output y[m, n] = (sum over K of q_x[m, k] * q_w[n, k]) * (amax_m / Q) * scale[n]
 // (+ bias[n]) (+ residual[m, n]), rounded once to bfloat16: the integer sum is exact, its 16
-// lanes added by one fixed tree (simd_avx512.h: lane_reduce), so y depends on its x row and W row
+// lanes added by one fixed tree (avx512/simd.h: lane_reduce), so y depends on its x row and W row
 // alone, whatever else is in the call, the tile or the thread.
 //
 // Tiles: up to 4 x rows by 4 W rows (16 accumulators), 1-2 rows by 8 W rows (8-16: a single
@@ -28,8 +28,8 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels.h"
-#include "simd_avx512.h"
+#include "../common/kernels.h"
+#include "simd.h"
 
 namespace {
 

@@ -1,8 +1,8 @@
-// The AVX2 implementation of linear.cpp's `linear_int8_dynamic_columns` (kernels.h): int8
-// weights times x's rows quantized on the fly to 16-bit integers (linear_dynamic_avx512.cpp says
+// The AVX2 implementation of common/linear_op.cpp's `linear_int8_dynamic_columns` (kernels.h): int8
+// weights times x's rows quantized on the fly to 16-bit integers (avx512/linear_dynamic.cpp says
 // how and why), 16-element chunks: a chunk of a weight row widened once to 16-bit, each x row
 // one `vpmaddwd` + `vpaddd` (8 int32 lanes), each output's lanes added by one fixed tree
-// (simd_avx2.h: lane_reduce8). Tiles of 2 x rows by 4 W rows (8 accumulators in the 16
+// (avx2/simd.h: lane_reduce8). Tiles of 2 x rows by 4 W rows (8 accumulators in the 16
 // registers).
 
 #include <immintrin.h>
@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels.h"
-#include "simd_avx2.h"
+#include "../common/kernels.h"
+#include "simd.h"
 
 namespace {
 

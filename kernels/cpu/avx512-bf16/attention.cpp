@@ -1,4 +1,4 @@
-// The AVX512-BF16 implementation of attention.cpp's `attend_all` (kernels.h): one
+// The AVX512-BF16 implementation of common/attention_op.cpp's `attend_all` (kernels.h): one
 // task per (run of queries, KV head), split over threads.
 //
 // Keys go in blocks of 16 at fixed positions (0-15, 16-31, ...). Each block is packed once per
@@ -18,8 +18,8 @@
 #include <limits>
 #include <vector>
 
-#include "kernels.h"
-#include "simd_avx512.h"
+#include "../common/kernels.h"
+#include "../avx512/simd.h"
 
 namespace {
 
@@ -96,7 +96,7 @@ __attribute__((always_inline)) inline __m512 scores(const uint16_t* q, const __m
 // Up to 16 rows' state after a block (row[i] sees the block's first valid[i] keys, 1..16): their
 // scores, the online softmax step (running max and sum, the output rescaled by exp(old - new
 // max)), and the values weighted by the probabilities rounded to bfloat16 pairs. The rows go
-// together so their steps overlap; each lane of the cross-lane trees (simd_avx512.h) reduces one
+// together so their steps overlap; each lane of the cross-lane trees (avx512/simd.h) reduces one
 // row's vector by the same tree whatever its slot, so a row's result depends on its query and
 // keys alone.
 template <int D>

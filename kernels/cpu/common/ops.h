@@ -1,4 +1,4 @@
-// The agentflash ops as C++ functions (linear.cpp, attention.cpp): what their TORCH_LIBRARY
+// The agentflash ops as C++ functions (linear_op.cpp, attention_op.cpp): what their TORCH_LIBRARY
 // registrations dispatch to, and what shims.cpp calls directly for AOTInductor programs.
 #pragma once
 

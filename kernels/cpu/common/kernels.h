@@ -1,6 +1,6 @@
-// What agentflash's CPU ops (linear.cpp, attention.cpp: argument checks, work split over
+// What agentflash's CPU ops (linear_op.cpp, attention_op.cpp: argument checks, work split over
 // threads) call into: one implementation per instruction set, linked into that set's library
-// (kernels/cpu_ops.py builds linear_<isa>.cpp and attention_<isa>.cpp with the shared files).
+// (kernels/cpu_ops.py builds <isa>/linear.cpp and attention_<isa>.cpp with the shared files).
 //
 // Both compute every output by an instruction sequence that depends only on its own inputs
 // (its x row and W row; its query and keys), never on what else is in the call, the tile it is
@@ -84,7 +84,7 @@ struct QueryRun {
   }
 };
 
-// One paged_attention call, its arguments checked (attention.cpp): queries [T, Hq, D] in runs of
+// One paged_attention call, its arguments checked (attention_op.cpp): queries [T, Hq, D] in runs of
 // consecutive queries of one sequence; query t sees the first keys[t] keys of sequence seq[t].
 struct AttentionCall {
   const uint16_t* q;          // [T, Hq, D]

@@ -1,4 +1,4 @@
-// The AVX512F implementation of linear.cpp's `linear_columns` and `linear_int8_columns`
+// The AVX512F implementation of common/linear_op.cpp's `linear_columns` and `linear_int8_columns`
 // (kernels.h), for CPUs with AVX512 but without native bfloat16 arithmetic (Intel Skylake-SP to
 // Ice Lake): weights widened to float32 in 16-lane registers, twice AVX2's width, with 32
 // registers for the tiles.
@@ -7,7 +7,7 @@
 // chunks (the last zero-padded): a chunk is split exactly into two float32 vectors of 16 (F
 // says how: bfloat16 weights into even and odd elements, int8 into first and second halves,
 // x's chunk the same way), whose products go by FMA into two accumulators, one per half, then
-// added, summed across lanes by one fixed tree (simd_avx512.h: lane_sums, 16 outputs at once),
+// added, summed across lanes by one fixed tree (avx512/simd.h: lane_sums, 16 outputs at once),
 // times the row's scale (int8), plus the bias and a residual, rounded once to bfloat16. The same
 // sequence for every output whatever M, the tile it is computed in or the thread.
 //
@@ -30,8 +30,8 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels.h"
-#include "simd_avx512.h"
+#include "../common/kernels.h"
+#include "simd.h"
 
 namespace {
 

@@ -1,11 +1,11 @@
-// The AVX512-BF16 implementation of linear.cpp's `linear_columns` and `linear_int8_columns`
+// The AVX512-BF16 implementation of common/linear_op.cpp's `linear_columns` and `linear_int8_columns`
 // (kernels.h), one kernel for both weight formats: bfloat16 weights as they are, int8 weights
 // turned into bfloat16 in registers (exact: every int8 is a bfloat16), their row's float32 scale
 // applied to the sum.
 //
 // Every output y[m, n] is one dot product of x's row m and W's row n, accumulated by
 // `vdpbf16ps` over K in 32-element steps into 16 float32 lanes (the last step masked), then
-// summed across lanes by one fixed tree (simd_avx512.h: lane_sums, 16 outputs at once), times
+// summed across lanes by one fixed tree (avx512/simd.h: lane_sums, 16 outputs at once), times
 // the row's scale (int8), plus the bias and a residual when given, rounded once to bfloat16.
 // That sequence of instructions is the same for every output whatever M, the tile it is computed
 // in, or the thread that computes it. A decode row reads W's rows one after another (one
@@ -19,8 +19,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels.h"
-#include "simd_avx512.h"
+#include "../common/kernels.h"
+#include "../avx512/simd.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// The AVX512F implementation of attention.cpp's `attend_all` (kernels.h), for CPUs with AVX512
+// The AVX512F implementation of common/attention_op.cpp's `attend_all` (kernels.h), for CPUs with AVX512
 // but without native bfloat16 arithmetic (Intel Skylake-SP to Ice Lake): keys, values and
 // queries widened to float32, 16 lanes a register. One task per (run of queries, KV head),
 // split over threads.
@@ -22,8 +22,8 @@
 #include <limits>
 #include <vector>
 
-#include "kernels.h"
-#include "simd_avx512.h"
+#include "../common/kernels.h"
+#include "simd.h"
 
 namespace {
 

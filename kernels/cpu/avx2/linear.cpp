@@ -1,9 +1,9 @@
-// The AVX2 (+FMA) implementation of linear.cpp's `linear_columns` (kernels.h), for CPUs without
+// The AVX2 (+FMA) implementation of common/linear_op.cpp's `linear_columns` (kernels.h), for CPUs without
 // native bfloat16 arithmetic: weights stay bfloat16 in memory (half the bytes of float32) and
-// are widened to float32 in registers by linear_avx2.h's kernel. A chunk of 16 elements is split
-// exactly into its even and odd elements (simd_avx2.h: widen16, two instructions).
+// are widened to float32 in registers by avx2/linear.h's kernel. A chunk of 16 elements is split
+// exactly into its even and odd elements (avx2/simd.h: widen16, two instructions).
 
-#include "linear_avx2.h"
+#include "linear.h"
 
 namespace {
 

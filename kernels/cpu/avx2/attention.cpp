@@ -1,4 +1,4 @@
-// The AVX2 (+FMA) implementation of attention.cpp's `attend_all` (kernels.h), for CPUs with
+// The AVX2 (+FMA) implementation of common/attention_op.cpp's `attend_all` (kernels.h), for CPUs with
 // AVX2 but not AVX512: keys, values and queries are widened to float32 in registers.
 //
 // The work: a run's keys go in segments of kSegment keys at fixed positions (0-127, 128-255, ..).
@@ -12,7 +12,7 @@
 // Within a segment keys go in chunks at fixed positions (32 keys at head_dim 64, 16 at 128, 8
 // above), and per chunk each KV head's rows (query, head) that see any of its keys are updated.
 // Up to kRows rows read the keys and values in place, widening every 16 elements into their
-// even and odd halves in registers (simd_avx2.h: widen16); more rows share one widening of the
+// even and odd halves in registers (avx2/simd.h: widen16); more rows share one widening of the
 // chunk into a float32 scratch laid out the same way (the same values, the same arithmetic).
 // Per row and chunk: each key's score is one accumulator of 8 lanes taking the even and then
 // the odd products of every 16 elements by FMA, 8 keys' accumulators summed across lanes by one
@@ -33,8 +33,8 @@
 
 #include <ATen/Parallel.h>
 
-#include "kernels.h"
-#include "simd_avx2.h"
+#include "../common/kernels.h"
+#include "simd.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // The AVX2 (+FMA) linear kernel, for weights widened to float32 in registers: bfloat16 weights
-// (linear_avx2.cpp) and int8 weights with a float32 scale per row (linear_int8_avx2.cpp), on
+// (avx2/linear.cpp) and int8 weights with a float32 scale per row (avx2/linear_int8.cpp), on
 // CPUs without native bf16 arithmetic. A format F says how 16 elements of a W row and of an x
 // row become two float32 vectors (the same split for both, so that their products pair up) and
 // where W's rows are.
@@ -32,8 +32,8 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels.h"
-#include "simd_avx2.h"
+#include "../common/kernels.h"
+#include "simd.h"
 
 namespace agentflash_cpu::avx2 {
 

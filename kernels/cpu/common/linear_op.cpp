@@ -9,7 +9,7 @@
 // agentflash-11m step cost ~1.6 ms where their weights stream from cache in ~0.3 ms; on CPUs
 // without native bf16 (AVX2) torch's bf16 matmul is slower still. W is read in its checkpoint
 // layout (no packed copy). This file checks the arguments and splits W's rows over threads;
-// linear_<isa>.cpp (and, on AVX2, linear_int8_avx2.cpp) compute them (kernels.h: every output
+// <isa>/linear.cpp (and, on AVX2, avx2/linear_int8.cpp) compute them (kernels.h: every output
 // by the same instruction sequence).
 
 #include <ATen/ATen.h>
