@@ -3,7 +3,7 @@
 torch's bfloat16 `F.linear` on CPU gives oneDNN the weight in its plain layout, and oneDNN
 reorders it into its blocked layout on every call. For one token (a decode step) that reorder
 costs about as much as the matmul itself: 0.6B-shaped layer weights stream at ~14 GB/s through
-`F.linear` and at ~29.5 GB/s prepacked (2-core EPYC with AVX512-BF16; docs/performance.md).
+`F.linear` and at ~29.5 GB/s prepacked (measured on a 2-core EPYC with AVX512-BF16).
 `pack_linears` swaps a finished model's `nn.Linear` modules for `PackedLinear`, which reorders
 once. The packed call runs the same oneDNN kernels on the same numbers, so its output equals
 `F.linear`'s bit for bit at every row count (tests/test_packed.py), and speculative output stays
