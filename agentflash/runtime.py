@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import threading
 import time
 from concurrent.futures import Future
@@ -22,18 +21,19 @@ import anyio
 import anyio.lowlevel
 import torch
 
-from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
+from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig
 from agentflash.engine.constraint import TokenConstraint
 from agentflash.engine.device import resolve_device, resolve_dtype
 from agentflash.engine.engine import Completion, Engine, SeqUpdate
 from agentflash.engine.kv.manager import Pin
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
+from agentflash.engine.policy import Speculation
 from agentflash.engine.sampler import SamplingParams
 
 from .chat import ChatFormat
 from .embedded import model_drafter_dir, resolve_model
-from .errors import AgentClosedError, CheckpointError, KVPoolExhaustedError
+from .errors import AgentClosedError, CheckpointError
 from .history import ReplyMemory
 from .remote import RemoteRuntime
 from .structured import GrammarCompiler
@@ -42,10 +42,6 @@ from .tokenizer import load_tokenizer
 from .usage import Pricing
 
 T = TypeVar("T")
-
-BATCH_COSTS = (4, 16)
-"""Batch sizes whose step costs `Runtime.load(speculation="auto")` measures beside batch 1."""
-
 
 class _Waker:
     """Wakes one task of the event loop it was made in, from any thread, without blocking."""
@@ -156,10 +152,7 @@ class Runtime:
 
     def __init__(self, engine: Engine, tokenizer: Any, model_dir: Path | None = None,
                  drafter_dir: Path | None = None, session_ttl: float | None = None,
-                 pricing: Pricing | None = None, log: str | Path | None = None,
-                 speculation: str = "auto") -> None:
-        if speculation not in ("auto", "always"):
-            raise ValueError(f"speculation must be 'auto' or 'always', got {speculation!r}")
+                 pricing: Pricing | None = None, log: str | Path | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_dir = model_dir
@@ -178,23 +171,6 @@ class Runtime:
                              if engine.drafter is not None else 0)
         self.pricing = pricing
         self.log = RunLog(log) if log is not None else None
-        # the cost of speculative steps in plain steps (at batch 1 at a short and a long
-        # context, and at batch 4 and 16) is what speculation="auto" weighs a request's
-        # acceptance against (how many drafts to verify), and what usage prices a verify
-        # step's committed tokens against; the shape of prefill costs prices the cache's
-        # counterfactual (agentflash.usage)
-        self.step_cost: StepCost | None = None
-        if engine.drafter is not None:
-            cost = self.step_cost = engine.measure_step_cost()
-            long = engine.measure_step_cost(context=min(2048, engine.max_model_len // 2))
-            if speculation == "auto":
-                engine.spec = dataclasses.replace(
-                    engine.spec, cost=cost, long_cost=long,
-                    batch_costs=self._batch_costs(engine))
-        try:
-            engine.prefill_cost = engine.measure_prefill_cost()
-        except KVPoolExhaustedError:  # a pool too small to measure in: savings unknown
-            engine.prefill_cost = None
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Condition()
         self._live: dict[int, Generation] = {}
@@ -220,7 +196,7 @@ class Runtime:
         session_ttl: float | None = None,
         pricing: Pricing | None = None,
         log: str | Path | None = None,
-        speculation: str = "auto",
+        speculation: Speculation = "auto",
         quantize: str | None = None,
         compile: bool | None = None,
     ) -> Runtime:
@@ -261,7 +237,7 @@ class Runtime:
         cls, model: str | Path | None, draft: str | Path | bool | None, device: str,
         dtype: str | torch.dtype | None, cache: CacheConfig | None, scheduler: SchedulerConfig,
         block_size: int | None, session_ttl: float | None, pricing: Pricing | None,
-        log: str | Path | None, speculation: str, quantize: str | None, compile: bool | None,
+        log: str | Path | None, speculation: Speculation, quantize: str | None, compile: bool | None,
     ) -> Runtime:
         model_dir = resolve_model(model)
         dev = resolve_device(device)
@@ -279,24 +255,10 @@ class Runtime:
             page_size = 16
             cache = CacheConfig(page_size, 16 * -(-cfg.max_position_embeddings // page_size))
         engine = Engine(target, cache, scheduler, drafter=drafter,
-                        spec=SpecConfig(block_size), detokenize=tokenizer.decode,
-                        quantize=quantize, compile=compile)
-        return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log,
-                   speculation)
-
-    @staticmethod
-    def _batch_costs(engine: Engine) -> tuple[StepCost, ...]:
-        """Step costs with 4 and 16 requests decoding together, as far as the pool and the
-        scheduler hold them (speculation="auto" decides with the nearest batch's)."""
-        costs = []
-        for batch in BATCH_COSTS:
-            if batch > engine.scheduler.config.max_running:
-                break
-            try:
-                costs.append(engine.measure_step_cost(steps=3, batch=batch))
-            except KVPoolExhaustedError:
-                break
-        return tuple(costs)
+                        spec=SpecConfig(block_size), speculation=speculation,
+                        detokenize=tokenizer.decode, quantize=quantize, compile=compile,
+                        measure_prefill=True)
+        return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log)
 
     # ---- public ---------------------------------------------------------------------------
 

@@ -243,7 +243,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class StepCost:
     """Measured step times of `batch` requests decoding together, in units of their plain
-    decode step (`Engine.measure_step_cost`): `draft[k - 1]` is a drafter forward over their
+    decode step (engine.calibration): `draft[k - 1]` is a drafter forward over their
     blocks for k - 1 drafts each (draft[0] = 0: no drafts; the drafter computes only the rows
     verified, so it costs less for fewer), `verify[k - 1]` a target forward over k tokens of
     each (verify[0] = 1). The unit: `plain_s` seconds, a plain step of the batch after a
@@ -259,12 +259,16 @@ class StepCost:
         """A speculative step that verifies k tokens: the anchor and k - 1 drafts."""
         return self.draft[k - 1] + self.verify[k - 1]
 
+    def fraction(self, longer: StepCost, context: int) -> float:
+        """Where `context` lies between this cost's context (0) and `longer`'s (1), clamped."""
+        span = longer.context - self.context
+        return min(max((context - self.context) / span, 0.0), 1.0) if span > 0 else 0.0
+
     def at_context(self, longer: StepCost, context: int) -> StepCost:
         """These costs and `longer`'s (the same batch at a longer context) interpolated
         linearly to `context`, clamped to the two: attention grows with the context, so a
         verify row costs more of a plain step there."""
-        span = longer.context - self.context
-        t = min(max((context - self.context) / span, 0.0), 1.0) if span > 0 else 0.0
+        t = self.fraction(longer, context)
         if t == 0.0 or t == 1.0:
             return self if t == 0.0 else longer
         # (list comprehensions: this runs every drafted step)
@@ -275,8 +279,8 @@ class StepCost:
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """The time of a prefill forward as a function of its size (`Engine.measure_prefill_cost`,
-    in any one unit: only ratios are used): n prompt tokens computed after p already in the KV
+    """The time of a prefill forward as a function of its size (engine.calibration, in
+    any one unit: only ratios are used): n prompt tokens computed after p already in the KV
     cost `fixed + per_token * n + per_pair * n * (p + (n - 1) / 2)`, the last term the
     attention of each new token over the keys before it."""
 
@@ -350,11 +354,28 @@ class SpecConfig:
     def cost_at(self, batch: int, context: int = 0) -> StepCost | None:
         """The step costs measured at the batch size nearest `batch` (in ratio); at batch 1,
         interpolated to `context` where `long_cost` was measured."""
-        if self.cost is None:
-            return None
-        batch = max(1, batch)
-        nearest = min((self.cost, *self.batch_costs),
-                      key=lambda c: max(c.batch, batch) / min(c.batch, batch))
+        nearest = self._nearest(batch)
         if nearest is self.cost and self.long_cost is not None:
             return self.cost.at_context(self.long_cost, context)
         return nearest
+
+    def plain_s_at(self, batch: int, context: int = 0) -> float | None:
+        """One request's share of a plain step's seconds at load (`cost_at(...).plain_s /
+        batch`), without building the interpolated costs: the engine asks every step."""
+        nearest = self._nearest(batch)
+        if nearest is None:
+            return None
+        if nearest is self.cost and self.long_cost is not None:
+            t = nearest.fraction(self.long_cost, context)
+            plain = nearest.plain_s + t * (self.long_cost.plain_s - nearest.plain_s)
+            return plain / nearest.batch
+        return nearest.plain_s / nearest.batch
+
+    def _nearest(self, batch: int) -> StepCost | None:
+        if self.cost is None:
+            return None
+        if not self.batch_costs:
+            return self.cost
+        batch = max(1, batch)
+        return min((self.cost, *self.batch_costs),
+                   key=lambda c: max(c.batch, batch) / min(c.batch, batch))

@@ -11,11 +11,9 @@ kernels), every decode row and verify block runs through it; each prefill chunk 
 of its own (the scheduler cuts prompts at fixed positions), so a sequence's rows never depend on
 what else was scheduled with them.
 
-With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V, and every
-forward also carries its sequences' linear-attention states: their `StatePool` rows are gathered
-into a `RecurrentStates`, advanced by the forward and written back. A verify block (drafts or a
-prediction) runs stepwise through the linear layers and its inputs are kept until the engine has
-judged it; `settle` then rewrites the state as it stood after the block's committed tokens.
+With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V; the
+linear-attention states travel through `LinearStates.forward` (engine.states), every item in
+one forward.
 """
 
 from __future__ import annotations
@@ -27,15 +25,14 @@ import torch
 from agentflash.kernels.reference import INVARIANT_MAX_QUERIES
 
 from .attention import PagedAttention, PagedDraftAttention, index_tensor
+from .batch import BatchItem
 from .forward import DecodeForward, DraftForward, step_args
 from .kv.manager import KVManager
 from .kv.pool import KVPool
-from .kv.state_pool import StatePool
 from .models.dflash import DFlashDraftModel
-from .models.gated_deltanet import RecurrentStates, StepInputs, replay
 from .models.qwen3 import CausalLM
 from .models.qwen3_5 import HybridCausalLM
-from .scheduler import BatchItem
+from .states import LinearStates, NoStates, SequenceStates
 
 
 class RunnerOutput(NamedTuple):
@@ -43,28 +40,17 @@ class RunnerOutput(NamedTuple):
     rows: list[tuple[int, int]]     # per item: (first row in logits, row count); count 0: none
 
 
-class _Rollback(NamedTuple):
-    """What a hybrid verify block needs to be rolled back to a prefix of its tokens."""
-
-    slot: int                       # the sequence's state slot
-    tokens: int                     # tokens the block fed
-    conv: list[torch.Tensor]        # per linear layer: the window before the block [C, K - 1]
-    recurrent: list[torch.Tensor]   # the state before the block [Hv, Dk, Dv]
-    inputs: list[StepInputs]        # per linear layer: the block's recorded inputs
-
-
 class ModelRunner:
     def __init__(
         self, model: CausalLM | HybridCausalLM, pool: KVPool, kv: KVManager,
         drafter: DFlashDraftModel | None = None, draft_layers: range | None = None,
         decode: DecodeForward | None = None, draft_forward: DraftForward | None = None,
-        states: StatePool | None = None,
+        states: SequenceStates = NoStates(),
     ):
-        if isinstance(model, HybridCausalLM) != (states is not None):
-            raise ValueError("a hybrid model needs a StatePool, and only a hybrid model has one")
+        if isinstance(model, HybridCausalLM) != isinstance(states, LinearStates):
+            raise ValueError("a hybrid model needs LinearStates, and only a hybrid model has them")
         self.model = model
         self.states = states
-        self._rollbacks: dict[int, _Rollback] = {}  # by sequence id: this step's verify blocks
         self.decode = decode
         self.draft_forward = draft_forward
         self.pool = pool
@@ -82,8 +68,7 @@ class ModelRunner:
         each prefill chunk of a dense model in a forward of its own (so its rows, like a decode
         row's, are computed the same way whatever shares the step: matmuls and SDPA choose how
         to block a call by its shape)."""
-        self._rollbacks.clear()  # a step's verify blocks are settled before the next forward
-        if self.states is not None:  # hybrid: every item in one forward (kernel linears)
+        if not self.states.chunks_apart:  # hybrid: every item in one forward
             return self._forward(items, False)
         small = [i for i, item in enumerate(items) if item.num_tokens <= INVARIANT_MAX_QUERIES]
         groups = [small] if small else []
@@ -133,55 +118,14 @@ class ModelRunner:
                     out = out[index_tensor(logit_rows, self.device)]
                 return RunnerOutput(out, rows)
             hidden = out
-        elif self.states is not None:
-            hidden = self._forward_hybrid(items, input_ids, pos, attn)
         else:
-            hidden, captured = self.model(input_ids, pos, attn, self.capture)
+            hidden, captured = self.states.forward(self.model, items, input_ids, pos, attn,
+                                                   self.capture)
             if self.drafter is not None:
                 self._store_draft_context(captured, pos, attn.slot_mapping)
         if len(logit_rows) < hidden.shape[0]:  # (every row samples in decode and verify steps)
             hidden = hidden[index_tensor(logit_rows, self.device)]
         return RunnerOutput(self.model.logits(hidden), rows)
-
-    def _forward_hybrid(self, items: list[BatchItem], input_ids: torch.Tensor,
-                        positions: torch.Tensor, attn: PagedAttention) -> torch.Tensor:
-        """The hybrid target's forward: each item's state slot rows in, advanced rows back;
-        verify blocks stepwise, with what `settle` needs to roll them back kept."""
-        assert self.states is not None
-        slots = []
-        for item in items:
-            assert item.seq.state_slot is not None, "a hybrid sequence runs with a state slot"
-            slots.append(item.seq.state_slot)
-        # Correctness first: the rows are copied out and back. Layers indexing the pool's
-        # tensors by slot in place would save both copies (the whole state, every forward).
-        conv, recurrent = self.states.gather(slots)
-        stepwise = frozenset(i for i, item in enumerate(items) if item.verifies)
-        before = {i: ([c[i].clone() for c in conv], [r[i].clone() for r in recurrent])
-                  for i in stepwise}
-        states = RecurrentStates([item.num_tokens for item in items], conv, recurrent, stepwise)
-        out = self.model(input_ids, positions, attn, states, self.capture)
-        if self.drafter is not None:
-            self._store_draft_context(out.captured, positions, attn.slot_mapping)
-        self.states.scatter(slots, states.conv, states.recurrent)
-        self._rollbacks.update({
-            items[i].seq.id: _Rollback(slots[i], items[i].num_tokens, *before[i],
-                                       [states.inputs[(layer, i)] for layer in range(len(conv))])
-            for i in stepwise})
-        return out.hidden
-
-    def settle(self, seq_id: int, fed: int) -> None:
-        """After a hybrid verify block was judged: keep the linear-attention state after the
-        first `fed` of its tokens (those whose KV stays), as if only they had been fed."""
-        rollback = self._rollbacks.pop(seq_id, None)
-        if rollback is None or fed == rollback.tokens:
-            return  # not a hybrid verify block, or every token stays
-        assert self.states is not None and 0 <= fed < rollback.tokens
-        conv, recurrent = [], []
-        for window, state, inputs in zip(rollback.conv, rollback.recurrent, rollback.inputs):
-            window, state = replay(window, state, inputs, fed)
-            conv.append(window[None])
-            recurrent.append(state[None])
-        self.states.scatter([rollback.slot], conv, recurrent)
 
     def _draft_caches(self, caches: list[torch.Tensor]) -> list[torch.Tensor]:
         return [caches[i] for i in self.draft_layers] if self.draft_layers is not None else []

@@ -11,73 +11,33 @@ sequence never runs out of KV mid-generation and nothing needs preempting. A req
 not fit even with every unpinned page evicted fails with KVPoolExhaustedError instead of waiting,
 unless `relieve` (the runtime's: release idle sessions' pins, the longest idle first) frees pages.
 
-For a hybrid model, admission also hands the sequence a zeroed slot of the `StatePool` (it holds
-max_running slots, so one is always free), restored from the snapshot where the reused prefix
-ends (only such a prefix is reused), and `remove` returns it. Nothing is preempted, so a
-sequence never recomputes from position 0 while holding a slot. Its prefill chunks end at every
-multiple of `state_interval`, where the engine snapshots the state.
+Admission and removal tell the target's per-sequence states (engine.states): a hybrid model's
+sequence gets a linear-attention state slot (max_running of them, so one is always free),
+restored where its reused prefix ends (only prefixes that end at a snapshot are reused), and
+its prefill chunks also end at every multiple of the states' `interval`, where the engine
+snapshots them. Nothing is preempted, so a sequence never recomputes from position 0.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
-import torch
-
-from .config import SchedulerConfig, StepCost
+from .batch import BatchItem
+from .config import SchedulerConfig
 from .errors import KVPoolExhaustedError
 from .kv.manager import KVManager
-from .kv.state_pool import StatePool
 from .sequence import Sequence, Status
-
-
-@dataclass
-class BatchItem:
-    """`num_tokens` new tokens of `seq` go through this forward (from position `start`).
-
-    A verify item (num_tokens > 1 on a sequence past its prompt) feeds the sequence's last token
-    (the anchor) followed by `draft`, the drafter's proposals (or the caller's prediction),
-    which the engine fills in.
-    Everything is fixed when the item is made, before the forward moves the sequence on, except
-    that a constrained block shrinks when its grammar terminates inside the drafts."""
-
-    seq: Sequence
-    num_tokens: int
-    draft: list[int] | None = None
-    masks: list[torch.Tensor] | None = None  # constrained verify: allowed tokens per block row
-    # whose drafts: the drafter's, the caller's prediction, or read from the context (engine.lookup)
-    source: Literal["drafter", "prediction", "context"] = "drafter"
-    cost: StepCost | None = None        # the step costs its verify length was chosen with
-    forward_s: float = 0.0              # its share of the forward's seconds (by tokens fed)
-    start: int = field(init=False)
-    verifies: bool = field(init=False)
-    samples: bool = field(init=False)   # yields the sequence's next token(s)
-
-    def __post_init__(self) -> None:
-        self.start = self.seq.computed
-        self.verifies = not self.seq.prefilling and self.num_tokens > 1
-        self.samples = self.verifies or self.start + self.num_tokens == self.seq.num_tokens
-
-    def token_ids(self) -> list[int]:
-        if self.verifies:
-            assert self.draft is not None and len(self.draft) == self.num_tokens - 1
-            return [*self.seq.token_slice(self.start, self.start + 1), *self.draft]
-        return self.seq.token_slice(self.start, self.start + self.num_tokens)
+from .states import NoStates, SequenceStates
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager, states: StatePool | None = None,
-                 state_interval: int = 0):
-        if states is not None and states.num_slots < config.max_running:
-            raise ValueError(f"{states.num_slots} state slots for {config.max_running} "
-                             "running sequences")
+    def __init__(self, config: SchedulerConfig, kv: KVManager,
+                 states: SequenceStates = NoStates()):
         self.config = config
         self.kv = kv
         self.states = states
-        self.state_interval = state_interval if states is not None else 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # set by the layer above (the runtime): frees pinned pages that nothing runs on (idle
@@ -92,10 +52,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.state_slot is not None:
-            assert self.states is not None
-            self.states.free(seq.state_slot)
-            seq.state_slot = None
+        self.states.release(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -146,26 +103,23 @@ class Scheduler:
 
     def _prefill_chunk(self, seq: Sequence) -> int:
         """The next prefill chunk's length: what is left of the prompt up to the next multiple
-        of max_batch_tokens (and, hybrid, of state_interval, where a snapshot is taken), counted
+        of max_batch_tokens (and of the states' interval, where a snapshot is taken), counted
         from position 0. So a prompt is cut the same way in every run, whatever shares its
         steps; a step takes its first chunk even past the budget (by at most one chunk)."""
         at = seq.computed
         n = min(len(seq.prompt_ids), (at // self.config.max_batch_tokens + 1)
                 * self.config.max_batch_tokens) - at
-        if self.state_interval:
-            n = min(n, (at // self.state_interval + 1) * self.state_interval - at)
+        interval = self.states.interval
+        if interval:
+            n = min(n, (at // interval + 1) * interval - at)
         return n
 
     def _admit(self, seq: Sequence) -> tuple[bool, Exception | None]:
         kv = self.kv.begin(seq.prompt_ids, max_cached=len(seq.prompt_ids) - 1 if seq.reuse else 0,
-                           with_state=self.states is not None)
+                           with_state=self.states.snapshots_only)
         if self.kv.reserve(kv, seq.budget):
             seq.kv = kv
-            if self.states is not None:
-                seq.state_slot = self.states.alloc()
-                if kv.length:  # resume from the snapshot where the reused prefix ends
-                    assert kv.node is not None
-                    self.states.restore(seq.state_slot, kv.node)
+            self.states.admit(seq)
             seq.status = Status.RUNNING
             seq.counters.cached_tokens = kv.length
             seq.counters.admitted_at = time.perf_counter()

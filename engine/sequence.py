@@ -80,6 +80,27 @@ class SeqCounters:
         return dict(sorted(hist.items()))
 
 
+@dataclass
+class SpecState:
+    """One request's speculation state (engine.policy keeps it)."""
+
+    drafts: bool = False       # the drafter proposes its blocks
+    # with step costs: drafts the drafter proposes at its next drafted step, plain steps before
+    # that step, and how many follow the next drafted step that does not pay
+    draft_rows: int = 0
+    cooldown: int = 0
+    backoff: int = 1
+    # tokens committed per plain step of cost by its recent drafted steps (2.0 before the
+    # first: until the drafter shows otherwise, only context drafts expected to double plain
+    # decoding take its place)
+    draft_rate: float = 2.0
+    # its tokens indexed for context drafts, and the next step's context drafts with their
+    # match length, where they pay more than the step planned
+    index: ContextIndex | None = None
+    lookup: list[int] | None = None
+    lookup_match: int = 0
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request moving through the engine: prompt, generated tokens and its KV handle."""
@@ -97,22 +118,8 @@ class Sequence:
     state_slot: int | None = None     # hybrid models: its row in the StatePool, while running
     generator: torch.Generator | None = None
     constraint: TokenConstraint | None = None  # grammar every generated token must follow
-    drafts: bool = False              # the drafter proposes this sequence's blocks
-    # with step costs (SpecConfig): drafts the drafter proposes at its next drafted step, plain
-    # steps before that step, and how many follow the next drafted step that does not pay
-    draft_rows: int = 0
-    cooldown: int = 0
-    backoff: int = 1
     prediction: list[int] | None = None  # the caller's guess of the output, while it holds
-    # with step costs: its tokens indexed for context drafts (engine.lookup), the next step's
-    # context drafts and their match length where they pay more than the drafter's block, and
-    # the tokens per plain step of cost its recent drafted steps committed (2.0 before the
-    # first: until the drafter shows otherwise, only drafts expected to double plain decoding
-    # take its place)
-    index: ContextIndex | None = None
-    lookup: list[int] | None = None
-    lookup_match: int = 0
-    draft_rate: float = 2.0
+    spec: SpecState = field(default_factory=SpecState)  # engine.policy's state of the request
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: Exception | None = None
     counters: SeqCounters = field(default_factory=SeqCounters)

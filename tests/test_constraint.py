@@ -65,7 +65,8 @@ def obeys(output: list[int], length: int) -> bool:
 
 def run(model, drafter, prompts, params, lengths, block=None, spec=None):
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                    spec=spec or (SpecConfig(block) if block else SpecConfig()))
+                    spec=spec or (SpecConfig(block) if block else SpecConfig()),
+                    speculation="auto" if spec is not None else "always")
     constraints = [Cycle(n) for n in lengths]
     ids = [engine.submit(p, params, constraint=c) for p, c in zip(prompts, constraints)]
     while engine.has_work():
@@ -103,7 +104,8 @@ def test_step_costs_choose_a_constrained_requests_verify_length_too(pair):
     steep = StepCost((0.0,) * 8, tuple(1.0 + 0.5 * k for k in range(8)))  # a token: +0.5
     for cost in (steep, None):
         engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                        spec=SpecConfig(8, cost=cost, draft_rows=3, lookup=False))
+                        spec=SpecConfig(8, cost=cost, draft_rows=3, lookup=False),
+                        speculation="always" if cost is None else "auto")
         for prompt, want in zip(prompts, plain):
             done, steps = drafted_steps(engine, prompt, params, Cycle(40))
             assert done.output_ids == want.output_ids
@@ -150,7 +152,8 @@ class Broken(Cycle):
 
 def test_failing_constraint_fails_only_its_sequence(pair):
     model, drafter = pair
-    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4))
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4),
+                    speculation="always")
     params = SamplingParams(max_new_tokens=12)
     good = engine.submit([1, 2, 3], params, constraint=Cycle(8))
     bad = engine.submit([1, 2, 3], params, constraint=Broken(8))

@@ -26,7 +26,8 @@ def test_cuda_greedy_equals_cpu_with_and_without_drafter(hf_checkpoint, tmp_path
         model = load_model(path, dtype=torch.float32, device=device)
         drafter = load_drafter(tmp_path / "draft", model)
         for d in (None, drafter):
-            engine = Engine(model, CacheConfig(4, 256), drafter=d, spec=SpecConfig(4))
+            engine = Engine(model, CacheConfig(4, 256), drafter=d, spec=SpecConfig(4),
+                            speculation="always")
             outputs.append([c.output_ids for c in engine.generate(prompts, params)])
     assert all(o == outputs[0] for o in outputs)
 

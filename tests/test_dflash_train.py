@@ -254,7 +254,7 @@ def test_decode_tau_is_the_engines_acceptance_length(tiny: tuple[CausalLM, list[
     drafter = init_drafter(model.config, block_size=4, num_layers=1, seed=0)
     train(model, drafter, examples, TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup=0.1))
     scores = evaluate(model, drafter, examples)
-    engine = Engine(model, drafter=drafter)
+    engine = Engine(model, drafter=drafter, speculation="always")  # full blocks, as scored
     prompts = prompts_of(examples)
     done = engine.generate(prompts, SamplingParams(max_new_tokens=20))
     assert [p + c.output_ids for p, c in zip(prompts, done)] == [e.input_ids for e in examples]

@@ -110,12 +110,14 @@ def mean_tau(done) -> float:
 def test_dflash_greedy_equals_plain_and_beats_a_random_drafter(tokenizer, target, drafter):
     prompts = [prompt_ids(tokenizer, c) for c in conversations()]
     plain = run(Engine(target), prompts, 48)
-    spec = run(Engine(target, drafter=drafter, spec=SpecConfig(16)), prompts, 48)
+    spec = run(Engine(target, drafter=drafter, spec=SpecConfig(16),
+                      speculation="always"), prompts, 48)
     assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
     c = drafter.config
     fresh = init_drafter(target.config, 16, c.num_hidden_layers, list(c.target_layer_ids),
                          c.mask_token_id, seed=0)
-    rand = run(Engine(target, drafter=fresh, spec=SpecConfig(16)), prompts, 48)
+    rand = run(Engine(target, drafter=fresh, spec=SpecConfig(16),
+                      speculation="always"), prompts, 48)
     assert [c.output_ids for c in rand] == [c.output_ids for c in plain]
     trained, random_tau = mean_tau(spec), mean_tau(rand)
     print(f"mean tau: trained {trained:.2f}, random {random_tau:.2f}")
@@ -140,9 +142,11 @@ def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
     assert ("aoti-compiled-step" in plain_engine.fast_paths) == compile
     plain = [c.output_ids for c in run(plain_engine, prompts, 96)]
     auto = Engine(target, drafter=drafter, spec=SpecConfig(16), compile=compile)
-    auto.spec = SpecConfig(16, cost=auto.measure_step_cost())
-    for engine in (Engine(target, drafter=drafter, spec=SpecConfig(16), compile=compile),
-                   Engine(target, drafter=drafter, spec=SpecConfig(5), compile=compile), auto):
+    assert auto.policy.auto  # the default: step costs measured at load
+    for engine in (Engine(target, drafter=drafter, spec=SpecConfig(16), compile=compile,
+                          speculation="always"),
+                   Engine(target, drafter=drafter, spec=SpecConfig(5), compile=compile,
+                          speculation="always"), auto):
         assert [c.output_ids for c in run(engine, prompts, 96)] == plain
 
 
@@ -161,7 +165,8 @@ def test_the_int8_drafter_is_accepted_as_often_as_the_bf16_one(tokenizer, monkey
             monkeypatch.setattr(fastpath, "FAST_PATHS",
                                 [p for p in fastpath.FAST_PATHS if p.name != "int8-drafter"])
         drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
-        engine = Engine(target, drafter=drafter, spec=SpecConfig(16), compile=False)
+        engine = Engine(target, drafter=drafter, spec=SpecConfig(16), compile=False,
+                        speculation="always")
         assert ("int8-drafter" in engine.fast_paths) == int8
         assert isinstance(drafter.layers[0].mlp.gate_up_proj, Int8Linear) == int8
         assert isinstance(drafter.head, Int8Linear) == int8  # a copy of the target's head
@@ -174,7 +179,8 @@ def test_the_int8_drafter_is_accepted_as_often_as_the_bf16_one(tokenizer, monkey
 
 def test_turn_two_reuses_the_cached_conversation(tokenizer, target, drafter):
     conv = conversations()[3]  # multi-turn, with tool results
-    engine = Engine(target, CacheConfig(16, 512), drafter=drafter, spec=SpecConfig(16))
+    engine = Engine(target, CacheConfig(16, 512), drafter=drafter, spec=SpecConfig(16),
+                    speculation="always")
     first = prompt_ids(tokenizer, {**conv, "messages": conv["messages"][:2]})
     (a,) = engine.generate([first], SamplingParams(max_new_tokens=16))
     second = prompt_ids(tokenizer, conv)

@@ -25,6 +25,7 @@ from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.packed import packing_available
 from agentflash.engine.models.qwen3_5 import HybridCausalLM
 from agentflash.engine.sampler import SamplingParams, target_probs
+from agentflash.engine.states import LinearStates
 from agentflash.kernels import cpu_ops
 from test_qwen3_5 import TEXT, make_hf, save_conditional
 from test_spec import chi_square_pvalue
@@ -73,13 +74,14 @@ def assert_idle_and_clean(engine: Engine) -> None:
     is cleared, every page free and no snapshot left."""
     stats = engine.stats()
     assert stats["pages_referenced"] == 0 and stats["pages_pinned"] == 0, stats
-    assert engine.states is not None and engine.states.num_free == engine.states.num_slots
+    assert isinstance(engine.states, LinearStates)
+    assert engine.states.pool.num_free == engine.states.pool.num_slots
     engine.kv.check_integrity()
-    engine.states.check_integrity()
+    engine.states.pool.check_integrity()
     engine.clear_cache()
     stats = engine.stats()
     assert stats["pages_free"] == stats["pages_total"], stats
-    assert engine.states.num_snapshots == 0
+    assert engine.states.pool.num_snapshots == 0
 
 
 def test_from_dir_loads_both_layouts(hybrid: tuple[Path, Any], tmp_path: Path) -> None:
@@ -121,7 +123,7 @@ def test_chunked_prefill_among_decodes(hybrid: tuple[Path, Any], make: MakeEngin
     prompts = prompts_of([23, 4, 70, 12, 9], seed=1)
     expected = [hf_greedy(hf, p, 8) for p in prompts]
     engine = make(scheduler=SchedulerConfig(max_batch_tokens=7, max_running=3))
-    assert engine.states is not None and engine.states.num_slots == 3
+    assert isinstance(engine.states, LinearStates) and engine.states.pool.num_slots == 3
     ids = [engine.submit(p, SamplingParams(max_new_tokens=8)) for p in prompts]
     mixed = False
     while engine.has_work():
@@ -156,7 +158,7 @@ def test_turn_two_computes_only_its_new_tokens(hybrid: tuple[Path, Any], make: M
     engine = make()
     prompt, extra, more = prompts_of([40, 9, 6], seed=5)
     first, = engine.generate([prompt], SamplingParams(max_new_tokens=8), pin=True)
-    assert first.pin is not None and engine.states is not None
+    assert first.pin is not None and isinstance(engine.states, LinearStates)
     turn2 = prompt + first.output_ids + extra
     second, = engine.generate([turn2], SamplingParams(max_new_tokens=8), pin=True)
     ended = len(prompt) + len(first.output_ids) - 1   # the last sampled token has no KV yet
@@ -199,7 +201,8 @@ def test_prompts_sharing_a_prefix_resume_from_the_snapshots_inside_it(
     prompt, other, reply = prompts_of([47, 9, 5], seed=12)
     first, = engine.generate([prompt], SamplingParams(max_new_tokens=6))
     assert first.counters.target_forwards == 3 + 5  # prefill chunks 16, 16, 15; 5 decodes
-    assert engine.states is not None and engine.states.num_snapshots == 4  # 16, 32, 47, reply
+    assert isinstance(engine.states, LinearStates)
+    assert engine.states.pool.num_snapshots == 4  # 16, 32, 47, reply
     branch = prompt[:40] + other
     done, = engine.generate([branch], SamplingParams(max_new_tokens=6))
     assert done.counters.cached_tokens == 32
@@ -219,34 +222,34 @@ def test_snapshots_are_bounded(hybrid: tuple[Path, Any], make: MakeEngine) -> No
     a, b, tail = prompts_of([25, 27, 5], seed=8)
     done_a, = engine.generate([a], SamplingParams(max_new_tokens=4))
     done_b, = engine.generate([b], SamplingParams(max_new_tokens=4))
-    assert engine.states is not None and engine.states.num_snapshots == 1
+    assert isinstance(engine.states, LinearStates) and engine.states.pool.num_snapshots == 1
     next_a, next_b = a + done_a.output_ids + tail, b + done_b.output_ids + tail
     again_a, = engine.generate([next_a], SamplingParams(max_new_tokens=4))
     assert again_a.counters.cached_tokens == 0
     assert again_a.output_ids == hf_greedy(hf, next_a, 4)
     again_b, = engine.generate([next_b], SamplingParams(max_new_tokens=4))
     assert again_b.counters.cached_tokens == 0  # a's new snapshot took the only place
-    assert engine.states.num_snapshots == 1
+    assert engine.states.pool.num_snapshots == 1
     assert_idle_and_clean(engine)
 
 
 def test_abort_frees_state_slot_and_kv(hybrid: tuple[Path, Any], make: MakeEngine) -> None:
     _, hf = hybrid
     engine = make(scheduler=SchedulerConfig(max_running=2))
-    assert engine.states is not None
+    assert isinstance(engine.states, LinearStates)
     a, b, c = prompts_of([30, 11, 2], seed=4)
     params = SamplingParams(max_new_tokens=12)
     keep, drop = engine.submit(a, params), engine.submit(b, params)
     for _ in range(4):
         engine.step()
-    assert engine.states.num_free == 0
+    assert engine.states.pool.num_free == 0
     referenced = engine.stats()["pages_referenced"]
     engine.abort(drop)
     assert engine.result(drop).finish_reason == "abort"
-    assert engine.states.num_free == 1
+    assert engine.states.pool.num_free == 1
     assert engine.stats()["pages_referenced"] < referenced
     engine.kv.check_integrity()
-    engine.states.check_integrity()
+    engine.states.pool.check_integrity()
     late = engine.submit(c, params)  # takes the aborted request's slot: it must start from zero
     while engine.has_work():
         engine.step()
@@ -325,7 +328,8 @@ def test_greedy_dflash_on_a_hybrid_target_equals_plain_at_every_block_size(
     plain = [c.output_ids for c in Engine(model, cache=CACHE).generate(prompts, params)]
     assert plain[0] == hf_greedy(hf, prompts[0], 24)
     for block in blocks:
-        engine = Engine(model, cache=CACHE, drafter=drafter, spec=SpecConfig(block))
+        engine = Engine(model, cache=CACHE, drafter=drafter, spec=SpecConfig(block),
+                        speculation="always")
         out = engine.generate(prompts, params)
         assert [c.output_ids for c in out] == plain, f"block {block}"
         c = engine.counters
@@ -358,7 +362,8 @@ def test_a_moe_hybrid_target(dflash_checkpoint: Callable[..., Path], tmp_path: P
     drafter = load_drafter(dflash_checkpoint(hf.config, target_layer_ids=[1, 3], block_size=16),
                            model)
     for block in (2, 7, 16):
-        engine = Engine(model, cache=CACHE, drafter=drafter, spec=SpecConfig(block))
+        engine = Engine(model, cache=CACHE, drafter=drafter, spec=SpecConfig(block),
+                        speculation="always")
         assert [c.output_ids for c in engine.generate(prompts, params)] == plain[0], block
         assert 0 < engine.counters.accepted_tokens < engine.counters.draft_tokens
         assert_idle_and_clean(engine)
@@ -423,7 +428,7 @@ def test_dflash_sampling_on_a_hybrid_target_keeps_its_distribution(
     prompt = [1, 3, 0, 2, 4, 1]
     params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
     engine = Engine(model, cache=CacheConfig(page_size=4, num_pages=2048), drafter=drafter,
-                    scheduler=SchedulerConfig(max_running=128))
+                    scheduler=SchedulerConfig(max_running=128), speculation="always")
     total, counts = 3000, Counter()
     for start in range(0, total, 500):
         seeded = [SamplingParams(**{**params.__dict__, "seed": s})

@@ -18,6 +18,7 @@ from agentflash.engine.engine import Engine
 from agentflash.engine.errors import KVPoolExhaustedError
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
+from agentflash.engine.states import LinearStates
 from conftest import make_hf_model
 from test_qwen3_5 import make_hf as make_hybrid
 
@@ -137,9 +138,9 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def pages_consistent(self):
         self.engine.kv.check_integrity()
-        if self.engine.states is not None:
-            self.engine.states.check_integrity()
-            assert self.engine.states.num_snapshots <= self.engine.states.max_snapshots
+        if isinstance(self.engine.states, LinearStates):
+            self.engine.states.pool.check_integrity()
+            assert self.engine.states.pool.num_snapshots <= self.engine.states.pool.max_snapshots
         s = self.engine.stats()
         assert s["pages_free"] + s["pages_cached"] <= s["pages_total"]
         if not self.live:
@@ -157,9 +158,9 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.kv.evict(s["pages_total"])
         assert self.engine.stats()["pages_free"] == s["pages_total"]
         self.engine.kv.check_integrity()
-        if self.engine.states is not None:  # every slot back, no snapshot past its pages
-            assert self.engine.states.num_free == self.engine.states.num_slots
-            assert self.engine.states.num_snapshots == 0
+        if isinstance(self.engine.states, LinearStates):  # every slot back, no snapshot left
+            assert self.engine.states.pool.num_free == self.engine.states.pool.num_slots
+            assert self.engine.states.pool.num_snapshots == 0
 
 
 def test_engine_lifecycle_keeps_page_invariants(tiny_model):

@@ -59,9 +59,10 @@ def test_fast_path_changes_no_token(monkeypatch):
     assert isinstance(fast.lm_head, PackedLinear)  # tied: a packed copy of the embedding
     want = _run(Engine(eager, fast_path=False), prompts, 48)
     assert _run(plain, prompts, 48) == want  # batched: the same schedule in both
-    spec = Engine(fast, drafter=fast_drafter, spec=SpecConfig(16))
+    spec = Engine(fast, drafter=fast_drafter, spec=SpecConfig(16), speculation="always")
     assert fast_drafter.context_kv_proj is not None
-    eager_spec = Engine(eager, drafter=eager_drafter, spec=SpecConfig(16), fast_path=False)
+    eager_spec = Engine(eager, drafter=eager_drafter, spec=SpecConfig(16), fast_path=False,
+                        speculation="always")
     assert _run(spec, prompts, 48) == _run(eager_spec, prompts, 48)
     assert spec.counters.accepted_tokens == eager_spec.counters.accepted_tokens > 0
     # speculative against plain one prompt at a time (batched, prefills split into other chunks)

@@ -40,7 +40,8 @@ def test_greedy_output_is_the_targets_whatever_the_prediction(pair, with_drafter
     prompts = prompts_for(6, VOCAB, seed=11)
     plain = Engine(model, CacheConfig(4, 512)).generate(prompts, params)
     engine = Engine(model, CacheConfig(4, 512), SchedulerConfig(max_running=64),
-                    drafter=drafter if with_drafter else None, spec=SpecConfig(6))
+                    drafter=drafter if with_drafter else None, spec=SpecConfig(6),
+                    speculation="always")
     rng = random.Random(0)
     for prompt, reference in zip(prompts, plain):
         guesses = predictions(reference.output_ids, rng)
@@ -65,7 +66,8 @@ def test_prediction_under_a_grammar_is_cut_where_the_grammar_disallows_it(pair):
     prompts = prompts_for(4, VOCAB, seed=5)
     for use_drafter in (None, drafter):
         plain_engine = Engine(model, CacheConfig(4, 512))
-        engine = Engine(model, CacheConfig(4, 512), drafter=use_drafter, spec=SpecConfig(5))
+        engine = Engine(model, CacheConfig(4, 512), drafter=use_drafter, spec=SpecConfig(5),
+                        speculation="always")
         for prompt, length in zip(prompts, (4, 9, 17, 40)):
             reference = plain_engine.generate([prompt], params, constraint=Cycle(length))[0]
             assert obeys(reference.output_ids, length)

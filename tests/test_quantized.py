@@ -67,7 +67,8 @@ def test_quantized_engine_speculates_losslessly():
     # one prompt at a time: batched, the two engines would split prefills into other chunks
     # (decode rows take other shares of the token budget), which moves K/V in the last bits
     want = [plain.generate([p], params)[0].output_ids for p in prompts]
-    spec = Engine(target, drafter=drafter, spec=SpecConfig(16))  # already quantized: kept
+    spec = Engine(target, drafter=drafter, spec=SpecConfig(16),
+                  speculation="always")  # already quantized: kept
     assert [spec.generate([p], params)[0].output_ids for p in prompts] == want
     assert spec.counters.accepted_tokens > 0
     # the drafter is int8 too (engine.fastpath's int8-drafter), its rows quantized to int16 in

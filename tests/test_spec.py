@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from agentflash.engine.attention import DenseCausal
+from agentflash.engine.calibration import measure_step_cost
 from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig, StepCost
 from agentflash.engine.engine import Engine
 from agentflash.engine.errors import DrafterMismatchError
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams, target_probs
-from agentflash.engine.scheduler import BatchItem
+from agentflash.engine.batch import BatchItem
 from agentflash.engine.spec import confident_length
 from conftest import make_dflash_checkpoint, make_hf_model
 
@@ -50,7 +51,8 @@ def test_greedy_speculative_equals_plain_over_many_prompts(pair):
             prompts = prompts_for(batch * 3, 16, seed=block * 100 + batch)
             plain = Engine(model, CacheConfig(4, 512)).generate(prompts, params)
             spec = Engine(model, CacheConfig(4, 512), SchedulerConfig(max_running=batch),
-                          drafter=drafter, spec=SpecConfig(block)).generate(prompts, params)
+                          drafter=drafter, spec=SpecConfig(block),
+                          speculation="always").generate(prompts, params)
             assert [c.output_ids for c in spec] == [c.output_ids for c in plain], (block, batch)
             for c in spec:
                 assert sum(c.counters.acceptance_lengths) == len(c.output_ids) - 1
@@ -68,14 +70,16 @@ def test_greedy_equality_with_chunked_prefill_sliding_drafter_and_stops(tmp_path
     stops = SamplingParams(max_new_tokens=30, stop_token_ids=(3,))
     plain = Engine(model, CacheConfig(4, 512)).generate(prompts, stops)
     spec = Engine(model, CacheConfig(4, 512), SchedulerConfig(max_batch_tokens=13),
-                  drafter=drafter, spec=SpecConfig(8)).generate(prompts, stops)
+                  drafter=drafter, spec=SpecConfig(8),
+                  speculation="always").generate(prompts, stops)
     assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
     assert [c.finish_reason for c in spec] == [c.finish_reason for c in plain]
 
 
 def test_acceptance_happens_and_per_position_counts_are_consistent(pair):
     model, drafter = pair
-    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4))
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4),
+                    speculation="always")
     done = engine.generate(prompts_for(16, 16, seed=3), SamplingParams(max_new_tokens=40),
                            trace=True)
     accepted = sum(c.counters.accepted_tokens for c in done)
@@ -97,7 +101,7 @@ def test_acceptance_happens_and_per_position_counts_are_consistent(pair):
 
 def test_speculation_can_be_turned_off_per_request(pair):
     model, drafter = pair
-    engine = Engine(model, CacheConfig(4, 512), drafter=drafter)
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, speculation="always")
     prompts = prompts_for(4, 16, seed=4)
     on, off = engine.generate(prompts[:2], SamplingParams(max_new_tokens=12)), \
         engine.generate(prompts[2:], SamplingParams(max_new_tokens=12), speculative=False)
@@ -109,7 +113,8 @@ def test_speculation_can_be_turned_off_per_request(pair):
 def test_warm_drafter_state_across_turns(pair):
     """Turn 2 (after a tool result) drafts from cached context: only new positions computed."""
     model, drafter = pair
-    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4))
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4),
+                    speculation="always")
     turn1 = prompts_for(1, 16, seed=5, hi=30)[0]
     (c1,) = engine.generate([turn1], SamplingParams(max_new_tokens=10), pin=True)
     tool_result = [1, 2, 3, 4, 5, 6]
@@ -118,7 +123,7 @@ def test_warm_drafter_state_across_turns(pair):
     engine.unpin(c1.pin)  # the new turn holds the prefix now
     while not engine.step():
         pass  # until the prompt is prefilled and the first token sampled
-    counters = engine._seqs[seq].counters
+    counters = engine.sequence(seq).counters
     new_positions = len(turn2) - (len(turn1) + len(c1.output_ids) - 1)
     assert counters.cached_tokens == len(turn2) - new_positions
     assert counters.prefill_tokens == new_positions
@@ -181,7 +186,8 @@ def test_speculative_sampling_matches_target_distribution(tmp_path, params, cost
     prompt = [1, 3, 0, 2]
     expected = exact_joint(model, prompt, params, params.max_new_tokens)
     engine = Engine(model, CacheConfig(4, 4096), SchedulerConfig(max_running=128),
-                    drafter=drafter, spec=SpecConfig(3, cost=cost))
+                    drafter=drafter, spec=SpecConfig(3, cost=cost),
+                    speculation="always" if cost is None else "auto")
     total, counts = 4000, Counter()
     for start in range(0, total, 500):
         seeded = [SamplingParams(**{**params.__dict__, "seed": s})
@@ -266,7 +272,8 @@ def test_step_costs_and_confidence_choose_the_verify_length_losslessly(pair):
     steep = StepCost((0.0,) * 8, tuple(1.0 + 0.5 * k for k in range(8)))  # a token: +0.5
     for cost in (free, steep, None):
         engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
-                        spec=SpecConfig(8, cost=cost, draft_rows=3, lookup=False))
+                        spec=SpecConfig(8, cost=cost, draft_rows=3, lookup=False),
+                        speculation="always" if cost is None else "auto")
         for prompt, want in zip(prompts, plain):
             done, steps = drafted_steps(engine, prompt, params)
             assert done.output_ids == want.output_ids
@@ -304,23 +311,28 @@ def test_draft_rows_grow_after_full_acceptance_and_shrink_back(pair):
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter,
                     spec=SpecConfig(16, cost=cheap, draft_rows=3, lookup=False))
     seq_id = engine.submit(prompts_for(1, 16, seed=80)[0], SamplingParams(max_new_tokens=60))
-    seq = engine._seqs[seq_id]
+    seq = engine.sequence(seq_id)
     while not seq.output_ids:
         engine.step()
-    assert (seq.draft_rows, seq.block_size) == (3, 4)
-    item = BatchItem(seq, 4)
-    engine._pace(seq, item, 3, 3, 4)            # every draft verified and accepted: double
-    assert (seq.draft_rows, seq.block_size) == (7, 8)
-    engine._pace(seq, BatchItem(seq, 8), 7, 7, 8)
-    engine._pace(seq, BatchItem(seq, 16), 15, 15, 16)
-    assert seq.draft_rows == 15                 # never past the block
-    engine._pace(seq, BatchItem(seq, 16), 4, 2, 3)   # fewer verified than proposed: halve
-    assert seq.draft_rows == 7
-    engine._pace(seq, BatchItem(seq, 8), 2, 2, 3)
-    engine._pace(seq, BatchItem(seq, 4), 1, 1, 2)
-    assert seq.draft_rows == 3 and seq.cooldown == 0   # not below SpecConfig.draft_rows
-    engine._pace(seq, BatchItem(seq, 4), 0, 0, 1)      # one token for a drafter and a verify
-    assert seq.cooldown == 1 and seq.block_size == 1
+    assert (seq.spec.draft_rows, seq.block_size) == (3, 4)
+
+    def judged(planned: int, drafted: int, accepted: int, kept: int) -> None:
+        item = BatchItem(seq, planned)
+        item.source, item.cost = "drafter", cheap
+        engine.policy.after(item, drafted, accepted, kept, decoding=1)
+
+    judged(4, 3, 3, 4)                          # every draft verified and accepted: double
+    assert (seq.spec.draft_rows, seq.block_size) == (7, 8)
+    judged(8, 7, 7, 8)
+    judged(16, 15, 15, 16)
+    assert seq.spec.draft_rows == 15            # never past the block
+    judged(16, 4, 2, 3)                         # fewer verified than proposed: halve
+    assert seq.spec.draft_rows == 7
+    judged(8, 2, 2, 3)
+    judged(4, 1, 1, 2)
+    assert seq.spec.draft_rows == 3 and seq.spec.cooldown == 0  # not below SpecConfig.draft_rows
+    judged(4, 0, 0, 1)                          # one token for a drafter and a verify
+    assert seq.spec.cooldown == 1 and seq.block_size == 1
     engine.abort(seq_id)
 
 
@@ -354,8 +366,9 @@ def test_context_drafts_are_verified_losslessly_where_they_pay(pair):
 
 def test_measured_step_costs_are_relative_to_a_plain_step(pair):
     model, drafter = pair
-    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(8))
-    cost = engine.measure_step_cost(context=16, steps=2)
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(8),
+                    speculation="always")
+    cost = measure_step_cost(engine, context=16, steps=2)
     assert cost.plain_s > 0 and cost.context == 16
     assert len(cost.verify) == 8 and cost.verify[0] == 1.0 and min(cost.verify) > 0
     assert len(cost.draft) == 8 and cost.draft[0] == 0.0 and min(cost.draft[1:]) > 0

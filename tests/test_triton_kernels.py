@@ -245,7 +245,8 @@ def test_engine_greedy_tokens_equal_reference(tmp_path, backend, monkeypatch) ->
         outputs = []
         for name in ("reference", "triton"):
             backend(name)
-            engine = Engine(model, CacheConfig(4, 128), drafter=d, spec=SpecConfig(4))
+            engine = Engine(model, CacheConfig(4, 128), drafter=d, spec=SpecConfig(4),
+                            speculation="always")
             outputs.append([c.output_ids for c in engine.generate(prompts, params)])
         assert outputs[0] == outputs[1], d
         assert all(len(o) == 6 for o in outputs[0])
@@ -265,7 +266,8 @@ def test_engine_sampling_through_triton_accept(tmp_path, backend) -> None:
     prompt = [3, 1, 4, 1, 5]  # a small vocabulary, so that a random drafter gets accepted
     runs = []
     for _ in range(2):
-        engine = Engine(model, CacheConfig(4, 256), drafter=drafter, spec=SpecConfig(4))
+        engine = Engine(model, CacheConfig(4, 256), drafter=drafter, spec=SpecConfig(4),
+                        speculation="always")
         runs.append([c.output_ids for c in engine.generate([prompt] * 4, params)])
     assert runs[0] == runs[1] and len(set(map(tuple, runs[0]))) > 1
     assert engine.counters.accepted_tokens > 0

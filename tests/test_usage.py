@@ -223,10 +223,11 @@ async def test_opentelemetry_genai_spans(rt):
 
 
 def test_load_measures_step_costs_and_the_prefill_shape(rt):
-    cost = rt.step_cost
+    cost = rt.engine.policy.spec.cost  # speculation="auto" serves with them
     assert cost is not None and cost.verify[0] == 1.0 and cost.draft[0] == 0.0
     assert len(cost.verify) == len(cost.draft) == rt.engine.block_size
     assert min(cost.draft[1:]) > 0  # a drafter forward for every verify length
-    assert rt.engine.spec.cost == cost  # speculation="auto" serves with them
+    assert [c.batch for c in rt.engine.policy.spec.batch_costs] == [4, 16]
+    assert rt.engine.policy.spec.long_cost.context > cost.context
     shape = rt.engine.prefill_cost
     assert shape.units(256, 0) > shape.units(16, 0) > 0

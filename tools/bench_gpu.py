@@ -238,7 +238,8 @@ def end_to_end(shape: dict, draft_layers: int, new: int, device: str,
         runs = {}
         for name, d in (("plain", None), ("dflash", drafter)):
             engine = Engine(target, CacheConfig(16, 2 * batch * (prompt_len + new) // 16 + 64),
-                            SchedulerConfig(max_running=batch), drafter=d, spec=SpecConfig(16))
+                            SchedulerConfig(max_running=batch), drafter=d, spec=SpecConfig(16),
+                            speculation="always")
             decode(engine, prompts, 4, device)  # warm-up: Triton compiles, allocator
             runs[name] = decode(engine, prompts, new, device)
         plain, spec = runs["plain"][1], runs["dflash"][1]

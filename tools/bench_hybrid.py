@@ -32,8 +32,9 @@ import transformers
 
 from agentflash.engine.config import CacheConfig
 from agentflash.engine.engine import Engine
+from agentflash.engine.states import LinearStates
 from agentflash.engine.sampler import SamplingParams
-from agentflash.engine.scheduler import BatchItem
+from agentflash.engine.batch import BatchItem
 
 
 def hybrid_checkpoint(path: Path, args: argparse.Namespace) -> None:
@@ -72,24 +73,24 @@ def verify_costs(engine: Engine, prompt: list[int], blocks: list[int], rounds: i
     B once per round; the KV and state are put back after every forward."""
     engine.generate([prompt], SamplingParams(max_new_tokens=1))   # prompt cached, snapshotted
     sid = engine.submit(prompt + [1], SamplingParams(max_new_tokens=10**6, ignore_eos=True))
-    seq = engine._seqs[sid]
+    seq = engine.sequence(sid)
     while seq.prefilling or not seq.output_ids:
         engine.step()
-    assert engine.states is not None and seq.state_slot is not None
+    assert isinstance(engine.states, LinearStates) and seq.state_slot is not None
     times: dict[int, list[float]] = {b: [] for b in blocks}
     for _ in range(rounds + 1):
         for b in blocks:
             length = seq.kv.length
-            conv, recurrent = engine.states.gather([seq.state_slot])
+            conv, recurrent = engine.states.pool.gather([seq.state_slot])
             item = BatchItem(seq, b)
             item.draft = [1] * (b - 1) if item.verifies else None
             t0 = time.perf_counter()
             engine.runner.forward([item])
             if item.verifies:
-                engine.runner.settle(seq.id, 1)
+                engine.states.settle(seq.id, 1)
             times[b].append(time.perf_counter() - t0)
             engine.kv.truncate(seq.kv, length)
-            engine.states.scatter([seq.state_slot], conv, recurrent)
+            engine.states.pool.scatter([seq.state_slot], conv, recurrent)
     engine.abort(sid)
     while engine.has_work():
         engine.step()
@@ -114,9 +115,9 @@ def main() -> None:
         longest = max(args.history) + 1024
         engine = Engine.from_dir(tmp, cache=CacheConfig(16, 2 * -(-longest // 16) + 64),
                                  dtype=torch.bfloat16, max_model_len=longest)
-        assert engine.states is not None
+        assert isinstance(engine.states, LinearStates)
         snapshot = sum(t[0].numel() * t.element_size()
-                       for t in (*engine.states.conv, *engine.states.recurrent))
+                       for t in (*engine.states.pool.conv, *engine.states.pool.recurrent))
         params = sum(p.numel() for p in engine.model.parameters())
         warm = [rng.randrange(args.vocab) for _ in range(256)]  # first-call costs out of the way
         ttft(engine, warm, reuse=False)

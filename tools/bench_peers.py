@@ -238,20 +238,15 @@ def agentflash_runs(model_dir: Path, prompts: list[list[int]], new: int, draft: 
     each request verifies the number of drafts that pays for its acceptance (or none), the
     drafter's or, where they pay more, drafts read from its context (lookup=False: the
     drafter's only)."""
-    import dataclasses
-
     import torch
 
+    from agentflash.engine.config import SpecConfig
     from agentflash.engine.engine import Engine
     from agentflash.engine.sampler import SamplingParams
 
-    engine = Engine.from_dir(model_dir, draft=draft, quantize=quantize, compile=compile)
-    if auto:
-        with torch.inference_mode():
-            long = min(2048, engine.max_model_len // 2)   # as Runtime.load measures them
-            engine.spec = dataclasses.replace(engine.spec, cost=engine.measure_step_cost(),
-                                              long_cost=engine.measure_step_cost(context=long),
-                                              lookup=lookup)
+    engine = Engine.from_dir(model_dir, draft=draft, quantize=quantize, compile=compile,
+                             spec=SpecConfig(lookup=lookup),
+                             speculation="auto" if auto else "always")
 
     def run(prompt: list[int], params: SamplingParams) -> Run:
         c = engine.counters

@@ -91,7 +91,8 @@ def main() -> None:
         run(Engine(model, cache, sched), prompts[:1], 8)  # warm-up
         results["plain"] = run(Engine(model, cache, sched), prompts, args.new_tokens)
         for b in map(int, args.blocks.split(",")):
-            engine = Engine(model, cache, sched, drafter=drafter, spec=SpecConfig(b))
+            engine = Engine(model, cache, sched, drafter=drafter, spec=SpecConfig(b),
+                            speculation="always")
             results[f"B={b}"] = r = run(engine, prompts, args.new_tokens)
             assert r["outputs"] == results["plain"]["outputs"], f"B={b} output differs"
     base = results["plain"]["tok_s"]

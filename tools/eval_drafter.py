@@ -156,14 +156,15 @@ def main(argv: list[str] | None = None) -> None:
                              args.seed)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     pages = -(-max_len // 16) + 4
-    spec = Engine(target, CacheConfig(16, pages), drafter=drafter, spec=SpecConfig(args.block_size))
+    spec = Engine(target, CacheConfig(16, pages), drafter=drafter, spec=SpecConfig(args.block_size),
+                  speculation="always")
+    # speculation="auto": step costs measured as Runtime.load measures them
     auto = Engine(target, CacheConfig(16, pages), drafter=drafter, spec=SpecConfig(args.block_size))
     plain = Engine(target, CacheConfig(16, pages))
     for engine in (spec, auto, plain):  # warm up
         run_one(engine, prompts[0].ids[-64:], SamplingParams(max_new_tokens=8))
-    cost = auto.measure_step_cost()  # as Runtime.load measures them for speculation="auto"
-    long = auto.measure_step_cost(context=min(2048, auto.max_model_len // 2))
-    auto.spec = SpecConfig(args.block_size, cost=cost, long_cost=long)
+    cost = auto.policy.spec.cost
+    assert cost is not None
     print(f"{len(prompts)} prompts, {device} {dtype}, block size {args.block_size}; plain step "
           f"{1e3 * cost.plain_s:.1f} ms; verify + drafter of "
           + ", ".join(f"{k}: {cost.verify[k - 1]:.2f} + {cost.draft[k - 1]:.2f}"
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                              list(c.target_layer_ids), c.mask_token_id, args.seed)
         fresh = fresh.to(dtype=dtype)
         rnd = Engine(target, CacheConfig(16, pages), drafter=fresh,
-                     spec=SpecConfig(args.block_size))
+                     spec=SpecConfig(args.block_size), speculation="always")
         runs = [run_one(rnd, pr.ids, params) for pr in prompts[: args.random_baseline]]
         report["random_drafter"] = summarize_acceptance(runs, args.block_size)
     print(json.dumps(report, indent=1))

@@ -41,16 +41,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_peers  # noqa: E402
+from agentflash.engine.calibration import measure_step_cost  # noqa: E402
 from agentflash.engine.config import SpecConfig, StepCost  # noqa: E402
 from agentflash.engine.engine import Engine  # noqa: E402
 from agentflash.engine.sampler import SamplingParams  # noqa: E402
-from agentflash.engine.scheduler import BatchItem  # noqa: E402
+from agentflash.engine.batch import BatchItem  # noqa: E402
 
 
 def measured_costs(engine: Engine, rounds: int = 3) -> dict:
     """The batch-1 costs at 256 and 2048 tokens of context, each the median of `rounds`."""
     def median_of(context: int) -> dict:
-        runs = [engine.measure_step_cost(context=context, steps=16) for _ in range(rounds)]
+        runs = [measure_step_cost(engine, context=context, steps=16) for _ in range(rounds)]
         mid = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         out = dataclasses.asdict(runs[0])
         for key in ("draft", "verify"):
@@ -66,7 +67,7 @@ def step_cost(d: dict) -> StepCost:
 
 def replay(engine: Engine, prompts: list[list[int]], params: SamplingParams,
            scored: SpecConfig) -> float:
-    """The engine's own policy (deciding with engine.spec's costs): tokens per plain step of
+    """The engine's own policy (deciding with engine.policy.spec's costs): tokens per plain step of
     modeled cost, by `scored`'s costs."""
     rows: list[int] = []
     draft = engine.runner.draft
@@ -80,7 +81,7 @@ def replay(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     try:
         for prompt in prompts:
             seq_id = engine.submit(prompt, params, reuse=False)
-            seq = engine._seqs[seq_id]
+            seq = engine.sequence(seq_id)
             while engine.has_work():
                 context, prefilling = seq.num_tokens, seq.prefilling
                 rows.clear()
@@ -99,7 +100,7 @@ def anchors(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[
     """Plain decoding with the drafter's whole block drafted at every anchor: the output's
     length and, per anchor (tokens committed before it), how many leading drafts match."""
     seq_id = engine.submit(prompt, params, reuse=False, speculative=False)
-    seq = engine._seqs[seq_id]
+    seq = engine.sequence(seq_id)
     blocks: dict[int, list[int]] = {}
     n = engine.block_size - 1
     while engine.has_work():
@@ -128,7 +129,7 @@ def hindsight(engine: Engine, runs: list[tuple[int, int, dict]]) -> dict[str, fl
             return min(min(accepted.get(t, 0), k - 1) + 1, out_len - t)
         best = [0.0] * (out_len + 1)
         for t in range(out_len - 1, 0, -1):
-            c = engine.spec.cost_at(1, length + t)
+            c = engine.policy.spec.cost_at(1, length + t)
             best[t] = min((c.speculative(k) if k > 1 else 1.0) + best[t + commits(t, k)]
                           for k in range(1, block + 1))
         best_tokens += out_len - 1
@@ -136,7 +137,7 @@ def hindsight(engine: Engine, runs: list[tuple[int, int, dict]]) -> dict[str, fl
         for k in range(1, block + 1):
             t = 1
             while t < out_len:
-                c = engine.spec.cost_at(1, length + t)
+                c = engine.policy.spec.cost_at(1, length + t)
                 fixed[k][1] += c.speculative(k) if k > 1 else 1.0
                 fixed[k][0] += commits(t, k)
                 t += commits(t, k)
@@ -158,7 +159,8 @@ def main() -> None:
     args = ap.parse_args()
 
     model = bench_peers.EMBEDDED
-    engine = Engine.from_dir(model, draft=model / "drafter", quantize=args.quantize)
+    engine = Engine.from_dir(model, draft=model / "drafter", quantize=args.quantize,
+                             speculation="always")
     if args.prompts == "bench":
         prompts = bench_peers.agent_prompts(args.cache, args.count)
     else:
@@ -176,22 +178,22 @@ def main() -> None:
             costs = measured_costs(engine)
             if args.costs is not None:
                 args.costs.write_text(json.dumps(costs))
-        engine.spec = dataclasses.replace(engine.spec, cost=step_cost(costs["cost"]),
+        engine.policy.spec = dataclasses.replace(engine.policy.spec, cost=step_cost(costs["cost"]),
                                           long_cost=step_cost(costs["long"]))
         stop = "stopping at eos" if args.eos else "128 tokens past eos"
         print(f"{len(prompts)} {args.prompts} prompts, {stop}, {args.quantize or 'bf16'}; "
               "tokens per plain step of modeled cost:")
-        scored = engine.spec
+        scored = engine.policy.spec
         if args.decide_with is not None:
             decide = json.loads(args.decide_with.read_text())
-            engine.spec = dataclasses.replace(scored, cost=step_cost(decide["cost"]),
+            engine.policy.spec = dataclasses.replace(scored, cost=step_cost(decide["cost"]),
                                               long_cost=step_cost(decide["long"]))
         print(f"  auto (this engine's policy): {replay(engine, prompts, params, scored):.3f}")
-        no_lookup = dataclasses.replace(engine.spec, lookup=False)
-        engine.spec, decided = no_lookup, engine.spec
+        no_lookup = dataclasses.replace(engine.policy.spec, lookup=False)
+        engine.policy.spec, decided = no_lookup, engine.policy.spec
         print(f"  auto without context drafts: {replay(engine, prompts, params, scored):.3f}")
-        engine.spec = decided
-        engine.spec = scored  # the fixed lengths and hindsight by the scoring costs
+        engine.policy.spec = decided
+        engine.policy.spec = scored  # the fixed lengths and hindsight by the scoring costs
         runs = [(len(p), *anchors(engine, p, params)) for p in prompts]
         for name, value in hindsight(engine, runs).items():
             print(f"  {name}: {value:.3f}")

@@ -31,7 +31,7 @@ from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import bundled_drafter_dir, load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.sampler import SamplingParams
-from agentflash.engine.scheduler import BatchItem
+from agentflash.engine.batch import BatchItem
 
 LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
               "agentflash::linear_bf16",
@@ -107,11 +107,11 @@ def main() -> None:
     engine = Engine(model, CacheConfig(16, pages), drafter=drafter,
                     fast_path=not args.no_fast_path, compile=not args.no_compile,
                     quantize=args.quantize,
-                    max_model_len=args.context + 64)
+                    max_model_len=args.context + 64, speculation="always")
     prompt = [(7 * i + 11) % model.config.vocab_size for i in range(args.context)]
     seq_id = engine.submit(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True),
                            speculative=False)
-    seq = engine._seqs[seq_id]
+    seq = engine.sequence(seq_id)
     while not seq.output_ids:
         engine.step()  # prefill (in chunks) and the first token
     print(f"model {args.model}: {model.dtype}, fast path {engine.fast_paths or 'none'}, "

@@ -29,6 +29,7 @@ from agentflash.errors import AgentflashError, AgentClosedError
 from agentflash.runtime import Runtime
 from agentflash.usage import Usage
 
+from .body_limit import BodyLimit
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, error_body, new_id, now,
                        tool_call_body, usage_body)
@@ -62,45 +63,6 @@ def _as_server_error(e: BaseException) -> ServerError:
     if isinstance(e, (AgentflashError, EngineError, ValueError, TypeError)):
         return ServerError(400, str(e))
     return ServerError(500, f"internal error: {type(e).__name__}", "server_error")
-
-
-class _BodyLimit:
-    """ASGI middleware: 413 for a request body over `limit` bytes (declared or streamed)."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(send)
-        seen = 0
-
-        async def counted() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._refuse(send)
-
-    async def _refuse(self, send: Callable) -> None:
-        body = json.dumps(error_body(f"request body over {self.limit} bytes",
-                                     "invalid_request_error", "request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class Server:
@@ -216,7 +178,7 @@ def create_app(runtime: Runtime, served_model_name: str | None = None,
         return await _respond(server, request, _text_response(server, body, prompts, params))
 
     app.include_router(v1)
-    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     return app
 
 

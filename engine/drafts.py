@@ -1,0 +1,185 @@
+"""Draft sources: what proposes the tokens a verify step checks.
+
+A source fills the drafts of the verify items the policy assigned to it (`propose`), and counts
+a judged step of its drafts (`record`). Three exist:
+- `PredictionDrafts`: the caller's Predicted Output, from where the output has reached in it;
+- `ContextDrafts`: what followed the last tokens where they occurred before in the request's
+  own context (engine.lookup), chosen by the policy where they pay;
+- `DrafterDrafts`: the DFlash drafter, one forward for every item's block, the verify length
+  cut to the drafts the drafter is confident enough of under speculation="auto".
+Under a grammar each draft is checked against it (engine.constraint): a source's drafts stop
+where the grammar would refuse one, and each verify row gets the grammar's mask.
+
+To add a source: a class with a `name`, `propose` and `record`, listed in
+`Engine.__init__`'s sources, and a case in `SpeculationPolicy.source` saying when it proposes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from .constraint import follow, propose
+from .errors import RequestError
+from .sampler import top1
+from .spec import Verdict
+
+if TYPE_CHECKING:
+    from .accounting import Accounting, SeqUpdate
+    from .policy import SpeculationPolicy
+    from .runner import ModelRunner
+    from .batch import BatchItem
+
+Failed = list[tuple["BatchItem", RequestError]]
+
+
+class DraftSource(Protocol):
+    name: str
+
+    def propose(self, items: list[BatchItem], decoding: int) -> Failed:
+        """Fill each item's `draft` (at most its planned length - 1 tokens; fewer where the
+        source has fewer or a grammar cuts them) and, under a grammar, its `masks`; items
+        whose grammar fails come back with the error, the others are ready to verify.
+        `decoding`: requests past their prompt in this step (step costs depend on it)."""
+        ...
+
+    def record(self, item: BatchItem, verdict: Verdict, kept: int, update: SeqUpdate) -> None:
+        """Count a judged verify step of this source's drafts (`kept` tokens committed)."""
+        ...
+
+
+def fill(item: BatchItem, tokens: list[int]) -> RequestError | None:
+    """Set a verify item's drafts to `tokens`, cut by its grammar."""
+    seq = item.seq
+    if seq.constraint is None:
+        item.draft = tokens
+        return None
+    t_grammar = time.perf_counter()
+    try:
+        item.draft, item.masks = follow(seq.constraint, tokens)
+    except RequestError as e:
+        return e
+    seq.counters.grammar_s += time.perf_counter() - t_grammar
+    return None
+
+
+class PredictionDrafts:
+    name = "prediction"
+
+    def __init__(self, policy: SpeculationPolicy) -> None:
+        self.policy = policy
+
+    def propose(self, items: list[BatchItem], decoding: int) -> Failed:
+        failed = []
+        for item in items:
+            seq = item.seq
+            assert seq.prediction is not None
+            at = len(seq.output_ids)
+            item.cost = self.policy.cost_at(decoding, seq.num_tokens)
+            error = fill(item, seq.prediction[at:at + item.planned - 1])
+            if error is not None:
+                failed.append((item, error))
+        return failed
+
+    def record(self, item: BatchItem, verdict: Verdict, kept: int, update: SeqUpdate) -> None:
+        pass  # Sequence.follow_prediction counts what the output reproduced
+
+
+class ContextDrafts:
+    name = "context"
+
+    def __init__(self, policy: SpeculationPolicy, accounting: Accounting) -> None:
+        self.policy = policy
+        self.accounting = accounting
+
+    def propose(self, items: list[BatchItem], decoding: int) -> Failed:
+        failed = []
+        for item in items:
+            seq = item.seq
+            assert seq.spec.lookup is not None
+            item.cost = self.policy.cost_at(decoding, seq.num_tokens)
+            error = fill(item, seq.spec.lookup[:item.planned - 1])
+            if error is not None:
+                failed.append((item, error))
+        return failed
+
+    def record(self, item: BatchItem, verdict: Verdict, kept: int, update: SeqUpdate) -> None:
+        assert item.draft is not None
+        drafted, seq = len(item.draft), item.seq
+        c = seq.counters
+        c.lookups += 1
+        c.lookup_tokens += drafted
+        c.lookup_accepted += verdict.accepted
+        c.lookup_committed += kept
+        self.accounting.speculated(item, kept)
+        self.policy.lookup_stats.record(seq.spec.lookup_match, drafted, verdict.accepted)
+        update.lookup_tokens = drafted
+        total = self.accounting.counters
+        total.lookups += 1
+        total.lookup_tokens += drafted
+        total.lookup_accepted += verdict.accepted
+
+
+class DrafterDrafts:
+    name = "drafter"
+
+    def __init__(self, runner: ModelRunner, policy: SpeculationPolicy,
+                 accounting: Accounting) -> None:
+        self.runner = runner
+        self.policy = policy
+        self.accounting = accounting
+
+    def propose(self, items: list[BatchItem], decoding: int) -> Failed:
+        policy = self.policy
+        block = policy.block_size
+        rows = max(item.planned for item in items) - 1
+        t0 = time.perf_counter()
+        logits = self.runner.draft(items, block, rows)
+        # the drafts, and the drafter's probability of each (its softmax there) where step
+        # costs choose how many to verify
+        drafts, confidence = top1(logits, with_prob=policy.auto)
+        seconds = time.perf_counter() - t0
+        cost = policy.cost_at(decoding, items[0].seq.num_tokens)
+        self.accounting.drafted(items, seconds,
+                                None if cost is None else cost.draft[rows] * cost.plain_s)
+        failed = []
+        for i, item in enumerate(items):
+            n = item.planned - 1
+            if confidence is not None:  # verify what the drafter is confident enough of
+                # (under a grammar, the confidence of the drafter's own choice even where
+                # the grammar will propose another token: an overestimate there)
+                item.cost = policy.cost_at(decoding, item.seq.num_tokens)
+                assert item.cost is not None
+                n = policy.verify_length(confidence[i][:n], item.cost)
+            constraint = item.seq.constraint
+            if constraint is None:
+                item.draft = drafts[i][:n]
+                continue
+            t_grammar = time.perf_counter()
+            try:
+                item.draft, item.masks = propose(constraint, logits[i, :n].float())
+            except RequestError as e:
+                failed.append((item, e))
+                continue
+            item.seq.counters.grammar_s += time.perf_counter() - t_grammar
+        return failed
+
+    def record(self, item: BatchItem, verdict: Verdict, kept: int, update: SeqUpdate) -> None:
+        assert item.draft is not None
+        drafted, c = len(item.draft), item.seq.counters
+        self.accounting.speculated(item, kept)
+        c.draft_forwards += 1
+        c.draft_tokens += drafted
+        c.accepted_tokens += verdict.accepted
+        c.acceptance_lengths.append(kept)
+        block = self.policy.block_size
+        if len(c.accepted_per_position) < block - 1:
+            c.accepted_per_position.extend([0] * (block - 1))
+        for k in range(verdict.accepted):
+            c.accepted_per_position[k] += 1
+        if c.drafts is not None:
+            c.drafts.append(list(item.draft))
+        update.draft_tokens, update.accepted_tokens = drafted, verdict.accepted
+        total = self.accounting.counters
+        total.draft_tokens += drafted
+        total.accepted_tokens += verdict.accepted
