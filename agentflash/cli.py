@@ -22,6 +22,10 @@ from .errors import AgentflashError
 from .embedded import EMBEDDED_MODEL, model_drafter_dir, resolve_model
 from .tokenizer import load_tokenizer
 
+MEASURE_TOKENS = 2600
+"""KV pool room `generate` gives speculation="auto" to measure step costs in (a 2048-token
+context and the measured steps)."""
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -52,7 +56,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8 (per-channel) weights for the model's layers (CPU, bfloat16)")
     p.add_argument("--no-compile", action="store_true",
-                   help="run the decode step eager (no compiled program; engine.compiled)")
+                   help="run the decode step eager (no compiled program; engine.cpu.compiled)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: fits context)")
     p.add_argument("--draft", help="DFlash drafter checkpoint directory (speculative decoding; "
@@ -61,6 +65,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="speculative block size 2..16 (default: the drafter's)")
     p.add_argument("--no-draft", action="store_true",
                    help="plain decoding, even with --draft or a model that carries a drafter")
+    p.add_argument("--speculation", choices=["auto", "always"], default="auto",
+                   help="auto: verify the drafts that pay by step costs measured at start; "
+                   "always: full blocks")
     p.add_argument("--trace", action="store_true", help="with --json: list every drafted block")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_generate)
@@ -106,11 +113,13 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         prompt = tokenizer.encode(args.prompt)
     need = len(prompt) + args.max_new_tokens
+    if drafter is not None and args.speculation == "auto":
+        need = max(need, MEASURE_TOKENS)  # room to measure the step costs in
     pages = args.num_pages or -(-need // args.page_size) + 2
     detok = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else None
     engine = Engine(model, CacheConfig(args.page_size, pages), detokenize=detok, drafter=drafter,
-                    spec=SpecConfig(args.block_size), quantize=args.quantize,
-                    compile=False if args.no_compile else None)
+                    spec=SpecConfig(args.block_size), speculation=args.speculation,
+                    quantize=args.quantize, compile=False if args.no_compile else None)
     # The engine stops at the model's eos ids (generation_config.json's, else config.json's); a
     # chat reply also ends at the tokenizer's eos (the end-of-turn token, where those name
     # another one).

@@ -211,8 +211,8 @@ class Runtime:
         and a request whose drafted steps do not pay decodes token by token for a while,
         longer each time (same output either way); "always": every step verifies a full
         block. quantize="int8": int8 weights for
-        the target's layers (CPU, bfloat16; engine.fastpath). compile: the decode
-        step and the drafter compiled ahead of time on CPU in bfloat16 (engine.compiled; the
+        the target's layers (CPU, bfloat16; engine.cpu.fastpath). compile: the decode
+        step and the drafter compiled ahead of time on CPU in bfloat16 (engine.cpu.compiled; the
         first load on a machine compiles, ~1 min at 11m, later ones load from the disk cache;
         None: unless $AGENTFLASH_COMPILE=0).
 

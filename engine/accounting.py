@@ -144,12 +144,15 @@ class Accounting:
 
     def _quiet_s(self, items: list[BatchItem], decoding: int) -> float | None:
         """What a forward over `items` took at load (step and prefill costs), if known."""
+        auto = self.policy.auto
         total = 0.0
         for item in items:
             if item.start < len(item.seq.prompt_ids):
                 if self.prefill_cost is None:
                     return None
                 total += self.prefill_cost.units(item.num_tokens, item.start)
+            elif not auto:
+                return None
             elif item.cost is not None:
                 cost = item.cost
                 total += cost.verify[item.num_tokens - 1] * cost.plain_s / cost.batch

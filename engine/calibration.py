@@ -53,9 +53,11 @@ class Engine(Protocol):
 def step_costs(engine: Engine, spec: SpecConfig) -> SpecConfig:
     """`spec` with the step costs speculation="auto" decides with: batch 1 after 256 tokens
     and after 2048 (or half the context), and batches of `BATCH_COSTS` as far as the scheduler
-    and the pool hold them."""
+    and the pool hold them (shorter contexts where the model's or the pool's are)."""
     cost = measure_step_cost(engine)
     long = measure_step_cost(engine, context=min(2048, engine.max_model_len // 2))
+    if long.context <= cost.context:  # a short model or a small pool: no longer context
+        long = None
     batches = []
     for batch in BATCH_COSTS:
         if batch > engine.scheduler.config.max_running:
@@ -132,11 +134,16 @@ def _time_blocks(
     budget = steps * (sum(blocks) + 1) + 1
     context = min(context, engine.max_model_len - budget)  # a short model: a shorter prompt
     if context < 1:
-        raise ContextLengthError(f"measuring needs more than {budget} positions")
+        raise ContextLengthError(f"measuring step costs needs more than {budget} positions; "
+                                 "use speculation='always'")
     page = engine.kv.page_size
-    if batch * (-(-(context + budget) // page) + 1) > engine.kv.max_reservable():
-        raise KVPoolExhaustedError(f"measuring {batch} requests needs more KV pages than "
-                                   "the pool can free")
+    room = (engine.kv.max_reservable() // batch - 1) * page - budget  # per request
+    context = min(context, room)  # a small pool: a shorter prompt
+    if context < 1:
+        raise KVPoolExhaustedError(
+            f"measuring step costs with {batch} requests needs "
+            f"{batch * (-(-(budget + 1) // page) + 1)} free KV pages; enlarge the pool or use "
+            "speculation='always'")
     vocab = engine.config.vocab_size
     policy = engine.policy
     spec, policy.spec = policy.spec, replace(policy.spec, cost=None, batch_costs=(),

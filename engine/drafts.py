@@ -139,7 +139,7 @@ class DrafterDrafts:
         # costs choose how many to verify
         drafts, confidence = top1(logits, with_prob=policy.auto)
         seconds = time.perf_counter() - t0
-        cost = policy.cost_at(decoding, items[0].seq.num_tokens)
+        cost = policy.cost_at(decoding, items[0].seq.num_tokens) if policy.auto else None
         self.accounting.drafted(items, seconds,
                                 None if cost is None else cost.draft[rows] * cost.plain_s)
         failed = []

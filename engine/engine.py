@@ -24,9 +24,9 @@ from .batch import BatchItem
 from .calibration import measure_prefill_cost, step_costs
 from .config import CacheConfig, PrefillCost, SchedulerConfig, SpecConfig
 from .constraint import TokenConstraint, masked, settle
+from .cpu.fastpath import Prepared, prepare
 from .drafts import ContextDrafts, DraftSource, DrafterDrafts, PredictionDrafts
 from .errors import ContextLengthError, KVPoolExhaustedError, RequestError
-from .fastpath import Prepared, prepare
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
 from .kv.state_pool import StatePool
@@ -48,7 +48,7 @@ __all__ = ["Completion", "Engine", "EngineCounters", "SeqUpdate"]
 
 class Engine:
     """Requests in, tokens out, one step at a time, on one target model (and optional drafter).
-    A hybrid target (`HybridCausalLM`, Qwen3.5) runs eager (engine.fastpath leaves it as
+    A hybrid target (`HybridCausalLM`, Qwen3.5) runs eager (engine.cpu.fastpath leaves it as
     loaded), its linear-attention states kept by engine.states.LinearStates."""
 
     def __init__(
@@ -69,11 +69,11 @@ class Engine:
         """speculation (with a drafter): "auto" verifies what pays by step costs (`spec`'s, or
         measured here when it has none: engine.calibration, a few seconds); "always" verifies
         full blocks (engine.policy). fast_path: prepare the models for inference on this
-        machine, in place (engine.fastpath: faster; the models stay usable for inference only);
-        False keeps them as given. compile: with the fast path on CPU in bfloat16, compile the
-        decode/verify forward ahead of time (engine.compiled; cached on disk; None: unless
-        $AGENTFLASH_COMPILE=0). quantize="int8": int8 weights for the target's layers (CPU,
-        bfloat16; other numbers than the checkpoint's, so only when asked for).
+        machine, in place (engine.cpu.fastpath: faster; the models stay usable for inference
+        only); False keeps them as given. compile: with the fast path on CPU in bfloat16,
+        compile the decode/verify forward ahead of time (engine.cpu.compiled; cached on disk;
+        None: unless $AGENTFLASH_COMPILE=0). quantize="int8": int8 weights for the target's
+        layers (CPU, bfloat16; other numbers than the checkpoint's, so only when asked for).
         measure_prefill: measure the shape of prefill costs, which prices the prefix cache's
         savings (SeqCounters.recompute_units; agentflash.usage)."""
         cfg = model.config
@@ -290,6 +290,8 @@ class Engine:
         """Each draft source fills the drafts of the verify items the policy gives it; a
         request whose grammar fails there finishes with the error. Returns the items to run."""
         verify = [item for item in items if item.verifies]
+        if not verify:
+            return items
         for item in verify:
             item.source = self.policy.source(item.seq)
         for source in self.sources.values():

@@ -6,7 +6,7 @@ drafter's target layers and materialises the drafter's context K/V for the fed p
 the drafter's layers of the same paged pool (same page ids and slots as the target KV), so a
 prefix-cache hit restores the drafter's warm state along with the target's.
 
-With a decode/verify forward (engine.forward: compiled ahead of time, or eager on the CPU
+With a decode/verify forward (engine.cpu.forward: compiled ahead of time, or eager on the CPU
 kernels), every decode row and verify block runs through it; each prefill chunk runs in a forward
 of its own (the scheduler cuts prompts at fixed positions), so a sequence's rows never depend on
 what else was scheduled with them.
@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-from agentflash.kernels.reference import INVARIANT_MAX_QUERIES
+from agentflash.kernels.torch_ops import INVARIANT_MAX_QUERIES
 
 from .attention import PagedAttention, PagedDraftAttention, index_tensor
 from .batch import BatchItem
-from .forward import DecodeForward, DraftForward, step_args
+from .cpu.forward import DecodeForward, DraftForward, step_args
 from .kv.manager import KVManager
 from .kv.pool import KVPool
 from .models.dflash import DFlashDraftModel

@@ -49,8 +49,8 @@ def judge(logits: torch.Tensor, batch: list[Rows]) -> list[Verdict]:
     verdicts: list[Verdict | None] = [None] * len(batch)
     greedy = [i for i, r in enumerate(batch) if r.params.greedy]
     sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
-    if greedy and logits.device.type == "cpu" and dispatch.uses_reference("accept_greedy", "cpu"):
-        # no device to sync with: the reference's verdicts, judged on the host
+    if greedy and logits.device.type == "cpu" and dispatch.uses_torch("accept_greedy", "cpu"):
+        # no device to sync with: the torch ops' verdicts, judged on the host
         choice, _ = top1(logits)
         for i in greedy:
             r = batch[i]

@@ -35,7 +35,7 @@ torch path. $AGENTFLASH_CPU_ISA=avx2 (or avx512) builds that set on a CPU that h
 one, and $AGENTFLASH_CPU_EXTRAS=0 builds it without the optional instructions this CPU adds to
 it (AVX512-VNNI): both to test, where the tests run, the code other CPUs run.
 The ops are traceable (fake implementations give their shapes), so `torch.export` keeps each as
-one node and AOTInductor calls it from a compiled program (engine.compiled).
+one node and AOTInductor calls it from a compiled program (engine.cpu.compiled).
 """
 
 from __future__ import annotations

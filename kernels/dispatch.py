@@ -1,6 +1,7 @@
-"""Kernel dispatch: Triton on CUDA where a kernel exists, the torch reference elsewhere.
+"""Kernel dispatch: Triton on CUDA where a kernel exists, the torch ops (kernels.torch_ops)
+elsewhere.
 
-`use("reference")` / `use("triton")` / `use("auto")` overrides the choice (tests force either).
+`use("torch")` / `use("triton")` / `use("auto")` overrides the choice (tests force either).
 The Triton kernels register on first need, when `triton` is installed: importing triton is slow,
 and its CPU interpreter (TRITON_INTERPRET=1) must be chosen before that import happens.
 """
@@ -10,16 +11,16 @@ from __future__ import annotations
 import importlib.util
 from typing import Callable
 
-from . import reference
+from . import torch_ops
 
 _BACKENDS: dict[str, dict[str, Callable]] = {
-    "reference": {
-        "paged_attention": reference.paged_attention,
-        "store_kv": reference.store_kv,
-        "draft_attention": reference.draft_attention,
-        "accept_greedy": reference.accept_greedy,
-        "accept_sample": reference.accept_sample,
-        "store_context_kv": reference.store_context_kv,
+    "torch": {
+        "paged_attention": torch_ops.paged_attention,
+        "store_kv": torch_ops.store_kv,
+        "draft_attention": torch_ops.draft_attention,
+        "accept_greedy": torch_ops.accept_greedy,
+        "accept_sample": torch_ops.accept_sample,
+        "store_context_kv": torch_ops.store_context_kv,
     },
 }
 _choice = "auto"
@@ -58,16 +59,16 @@ def use(backend: str) -> None:
 
 def _pick(name: str, device_type: str) -> Callable:
     if _choice != "auto":
-        return _BACKENDS[_choice].get(name) or _BACKENDS["reference"][name]
+        return _BACKENDS[_choice].get(name) or _BACKENDS["torch"][name]
     if device_type == "cuda" and name in _triton():
         return _BACKENDS["triton"][name]
-    return _BACKENDS["reference"][name]
+    return _BACKENDS["torch"][name]
 
 
-def uses_reference(name: str, device_type: str) -> bool:
-    """Whether `name` runs the torch reference on this device type (callers may then take a
+def uses_torch(name: str, device_type: str) -> bool:
+    """Whether `name` runs the torch ops on this device type (callers may then take a
     host-side shortcut with the same result)."""
-    return _pick(name, device_type) is _BACKENDS["reference"][name]
+    return _pick(name, device_type) is _BACKENDS["torch"][name]
 
 
 def paged_attention(q, k_cache, v_cache, gather, q_index, out_index, mask, scale, plan=None):

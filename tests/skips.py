@@ -22,7 +22,7 @@ from typing import Callable
 import pytest
 import torch
 
-from agentflash.engine.models.packed import packing_available
+from agentflash.engine.cpu.packed import packing_available
 from agentflash.kernels import cpu_ops
 
 CHROMIUM_BINARY = "/usr/bin/chromium"  # tools/check_report.py's

@@ -60,11 +60,13 @@ def test_generate_with_draft_reports_acceptance_and_trace(tmp_path):
     common = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "1,2,3,4,5",
               "--max-new-tokens", "20", "--json"]
     plain = run_cli(*common)
-    spec = run_cli(*common, "--draft", str(tmp_path / "d"), "--trace")
+    spec = run_cli(*common, "--draft", str(tmp_path / "d"), "--trace", "--speculation", "always")
+    auto = run_cli(*common, "--draft", str(tmp_path / "d"))  # the default
     forced_plain = run_cli(*common, "--draft", str(tmp_path / "d"), "--no-draft")
     assert plain.returncode == spec.returncode == forced_plain.returncode == 0, spec.stderr
-    p, s, f = (json.loads(x.stdout) for x in (plain, spec, forced_plain))
-    assert s["output_ids"] == p["output_ids"] == f["output_ids"]
+    assert auto.returncode == 0, auto.stderr
+    p, s, f, a = (json.loads(x.stdout) for x in (plain, spec, forced_plain, auto))
+    assert s["output_ids"] == p["output_ids"] == f["output_ids"] == a["output_ids"]
     assert sum(s["acceptance_lengths"]) == len(s["output_ids"]) - 1
     assert len(s["drafts"]) == len(s["acceptance_lengths"])
     assert all(1 <= len(d) <= 3 for d in s["drafts"]) and len(s["drafts"][0]) == 3

@@ -1,4 +1,4 @@
-"""The compiled decode/verify step (engine.compiled): rows independent of the forward's shape,
+"""The compiled decode/verify step (engine.cpu.compiled): rows independent of the forward's shape,
 K/V stored in place, the program cached on disk, and an eager fallback when compiling fails.
 Greedy speculative output equal to plain through it: tests/test_embedded.py (compiled)."""
 
@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from agentflash.embedded import embedded_model_dir, model_drafter_dir
-from agentflash.engine.attention import KernelDraftAttention, PagedAttention, PagedDraftAttention
-from agentflash.engine.compiled import CompiledDraft, CompiledForward, cache_key
-from agentflash.engine.forward import DecodeForward, DraftForward, kernel_view, step_args
+from agentflash.engine.attention import PagedAttention, PagedDraftAttention
+from agentflash.engine.cpu.attention import KernelDraftAttention
+from agentflash.engine.cpu.compiled import CompiledDraft, CompiledForward, cache_key
+from agentflash.engine.cpu.forward import DecodeForward, DraftForward, kernel_view, step_args
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
-from agentflash.engine.models.packed import packing_available
-from agentflash.engine.models.quantized import (Int8Linear, quantize_drafter_int8,
+from agentflash.engine.cpu.packed import packing_available
+from agentflash.engine.cpu.quantized import (Int8Linear, quantize_drafter_int8,
                                                quantize_linears_int8)
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
@@ -250,7 +251,7 @@ def test_a_failed_compile_runs_eager_with_a_warning(monkeypatch, tmp_path, caplo
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
     prompt = [(7 * i + 3) % 4000 for i in range(40)]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    with caplog.at_level(logging.WARNING, logger="agentflash.engine.fastpath"):
+    with caplog.at_level(logging.WARNING, logger="agentflash.engine.cpu.fastpath"):
         engine = Engine(load_model(embedded_model_dir(), dtype=torch.bfloat16), compile=True)
     assert "aoti-compiled-step" not in engine.fast_paths
     # decode rows run eager: on the CPU kernels where they run, else through the model
@@ -306,7 +307,7 @@ def test_without_the_cpu_kernels_the_engine_keeps_onednn(tmp_path):
 
 @CPU_KERNELS.mark
 def test_a_drafter_with_a_head_of_its_own_ends_its_forward_in_it(model):
-    """The drafter engine.fastpath makes has a head of its own (int8): with the CPU kernels its
+    """The drafter engine.cpu.fastpath makes has a head of its own (int8): with the CPU kernels its
     forward, eager or compiled, ends in that head, so a draft is one call from token ids to
     logits: the head's logits on the forward's hidden states."""
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)
@@ -339,7 +340,7 @@ def test_a_drafter_with_a_head_of_its_own_ends_its_forward_in_it(model):
 def test_a_drafter_whose_attention_takes_the_torch_path_still_ends_in_its_head(model,
                                                                             monkeypatch):
     """A drafter whose attention the kernel cannot take (a windowed layer, a head size it does
-    not support) attends through the torch path; with the head engine.fastpath gives every
+    not support) attends through the torch path; with the head engine.cpu.fastpath gives every
     drafter on the CPU kernels, its forward still ends in that head: logits, which the engine
     drafts from, not hidden states."""
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), model)

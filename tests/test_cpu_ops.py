@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 
-from agentflash.engine.attention import KernelAttention, PagedAttention
-from agentflash.engine.models.kernel_linear import (WIDEN_ROWS, KernelLinear, WidenedLinear,
+from agentflash.engine.attention import PagedAttention
+from agentflash.engine.cpu.attention import KernelAttention
+from agentflash.engine.cpu.kernel_linear import (WIDEN_ROWS, KernelLinear, WidenedLinear,
                                                    with_kernel_linears)
 from agentflash.engine.sampler import top1
 from agentflash.kernels import cpu_ops

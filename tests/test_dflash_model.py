@@ -4,7 +4,7 @@ The oracle reads the drafter's weights straight from its safetensors file and fo
 step by step in float64 (context features, block [anchor, MASK...], every layer attending over
 context K/V plus the block, final norm, the target's head). Our model computes the context K/V
 separately (as the engine caches them), then drafts all sequences in one batched call through a
-small dense backend over `kernels.reference.draft_attention`.
+small dense backend over `kernels.torch_ops.draft_attention`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from agentflash.engine.attention import DenseCausal
 from agentflash.engine.models import CausalLM, load_model
 from agentflash.engine.models.dflash import DFlashDraftModel, load_drafter
-from agentflash.kernels import reference
+from agentflash.kernels import torch_ops
 from conftest import make_dflash_checkpoint, make_hf_model, save_hf_model
 
 TARGET_LAYERS = 4
@@ -111,7 +111,7 @@ class DenseDraftAttention:
         n = len(self.ctx_lens)
         causal, window = self.model.layer_kind(layer)
         k_ctx, v_ctx = self.kv[layer]
-        out = reference.draft_attention(
+        out = torch_ops.draft_attention(
             q.unflatten(0, (n, -1)), k_ctx, v_ctx, self.ctx_lens, k.unflatten(0, (n, -1)),
             v.unflatten(0, (n, -1)), self.model.attention_scale, causal, window,
         )

@@ -24,7 +24,7 @@ from agentflash.training.dflash import (TrainConfig, TrainLog, anchor_block_mask
                                         position_weights, train)
 from agentflash.training.drafter_checkpoint import drafter_config_json, init_drafter, save_drafter
 from agentflash.training.regenerate import prompts_of, regenerate
-from agentflash.kernels import reference
+from agentflash.kernels import torch_ops
 from conftest import make_dflash_checkpoint, make_hf_model, save_hf_model
 
 KINDS = [LayerKind(False, None), LayerKind(True, None), LayerKind(True, 2), LayerKind(False, 3)]
@@ -86,7 +86,7 @@ class ServingAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         causal, window = self.model.layer_kind(layer)
         k_ctx, v_ctx = self.kv[layer]
-        out = reference.draft_attention(q[None], k_ctx[None], v_ctx[None], self.lens, k[None],
+        out = torch_ops.draft_attention(q[None], k_ctx[None], v_ctx[None], self.lens, k[None],
                                         v[None], self.model.attention_scale, causal, window)
         return out[0]
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from agentflash.embedded import embedded_model_dir, model_drafter_dir
-from agentflash.engine import fastpath
+from agentflash.engine.cpu import fastpath
 from agentflash.engine.config import CacheConfig, SpecConfig
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
-from agentflash.engine.models.quantized import Int8Linear
+from agentflash.engine.cpu.quantized import Int8Linear
 from agentflash.engine.sampler import SamplingParams
 from agentflash.tokenizer import load_tokenizer
 from agentflash.training.drafter_checkpoint import init_drafter
@@ -131,9 +131,9 @@ def test_dflash_greedy_equals_plain_and_beats_a_random_drafter(tokenizer, target
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
     """bfloat16 is the CPU default where bf16 is native; its decode/verify attention is
-    row-invariant (kernels.reference._chunked_attention), so outputs match to the bit: with
+    row-invariant (kernels.torch_ops._chunked_attention), so outputs match to the bit: with
     full blocks, shorter ones, and "auto", which mixes verify lengths and plain steps; eager and
-    through the compiled step (engine.compiled), the prompts batched together so that decode
+    through the compiled step (engine.cpu.compiled), the prompts batched together so that decode
     rows, verify blocks and prefill chunks share steps."""
     target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
@@ -153,7 +153,7 @@ def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
 @CPU_KERNELS.mark
 def test_the_int8_drafter_is_accepted_as_often_as_the_bf16_one(tokenizer, monkeypatch):
     """Where the CPU kernels run, a bfloat16 target's drafter is int8 by default
-    (engine.fastpath's int8-drafter): it changes which drafts are proposed, never the output,
+    (engine.cpu.fastpath's int8-drafter): it changes which drafts are proposed, never the output,
     and on the held-out prompts its drafts are accepted about as often as the bfloat16
     drafter's (measured: mean tau 5.27 against 5.17)."""
     target = load_model(embedded_model_dir(), dtype=torch.bfloat16)

@@ -22,7 +22,7 @@ from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.gated_deltanet import RecurrentStates, replay
 from agentflash.engine.models.loader import load_model
-from agentflash.engine.models.packed import packing_available
+from agentflash.engine.cpu.packed import packing_available
 from agentflash.engine.models.qwen3_5 import HybridCausalLM
 from agentflash.engine.sampler import SamplingParams, target_probs
 from agentflash.engine.states import LinearStates

@@ -1,4 +1,4 @@
-"""The CPU fast path (engine.fastpath, engine.models.packed): oneDNN-prepacked bfloat16 linears
+"""The CPU fast path (engine.cpu.fastpath, engine.cpu.packed): oneDNN-prepacked bfloat16 linears
 give F.linear's numbers bit for bit at every row count, and an engine with the fast path
 generates exactly what one without it does, plainly and speculatively."""
 
@@ -13,7 +13,7 @@ from agentflash.engine.config import SpecConfig
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
-from agentflash.engine.models.packed import PackedLinear
+from agentflash.engine.cpu.packed import PackedLinear
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 

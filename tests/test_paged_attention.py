@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentflash.engine.attention import PagedAttention
-from agentflash.kernels import reference
+from agentflash.kernels import torch_ops
 
 PAGE = 4
 
@@ -29,7 +29,7 @@ def naive(q_all, k_all, v_all, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_new", [[1, 40, 5, 1], [3, 3], [1, 1, 1], [37], [16, 1, 33, 2]])
 def test_mixed_batches_match_naive(num_new: list[int], dtype: torch.dtype, monkeypatch) -> None:
-    monkeypatch.setattr(reference, "KEY_CHUNK", 8)  # several chunks on these short contexts
+    monkeypatch.setattr(torch_ops, "KEY_CHUNK", 8)  # several chunks on these short contexts
     g = torch.Generator().manual_seed(len(num_new))
     hq, hkv, d, pages = 4, 2, 8, 128
     ctx_lens = [n + int(torch.randint(0, 30, (1,), generator=g)) for n in num_new]
@@ -66,7 +66,7 @@ def test_bfloat16_decode_rows_are_bitwise_verify_rows(chunk: int, context: int,
     to its position, as plain decoding does) against one 16-query verify block, on the shapes
     of the embedded model (6 query heads, 2 KV heads of 64). Blocks that cross a chunk border
     are included. SDPA's CPU kernel fails this (a few elements per block differ by an ulp)."""
-    monkeypatch.setattr(reference, "KEY_CHUNK", chunk)
+    monkeypatch.setattr(torch_ops, "KEY_CHUNK", chunk)
     g = torch.Generator().manual_seed(context)
     hq, hkv, d, page = 6, 2, 64, 16
     total = context + 16

@@ -1,4 +1,4 @@
-"""Weight-only int8 (engine.models.quantized, Engine(quantize="int8")): each layer computes what
+"""Weight-only int8 (engine.cpu.quantized, Engine(quantize="int8")): each layer computes what
 its dequantized weight does, its kernel rows do not depend on how many share a call, and
 speculative greedy output equals the quantized model's own plain output."""
 
@@ -13,9 +13,9 @@ from agentflash.engine.config import SpecConfig
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
-from agentflash.engine.models.packed import packing_available
-from agentflash.engine.models.kernel_linear import WIDEN_ROWS, with_kernel_linears
-from agentflash.engine.models.quantized import Int8Linear, quantize_int8
+from agentflash.engine.cpu.packed import packing_available
+from agentflash.engine.cpu.kernel_linear import WIDEN_ROWS, with_kernel_linears
+from agentflash.engine.cpu.quantized import Int8Linear, quantize_int8
 from agentflash.engine.sampler import SamplingParams
 
 from conftest import assert_rows_independent, random_linear_case
@@ -71,7 +71,7 @@ def test_quantized_engine_speculates_losslessly():
                   speculation="always")  # already quantized: kept
     assert [spec.generate([p], params)[0].output_ids for p in prompts] == want
     assert spec.counters.accepted_tokens > 0
-    # the drafter is int8 too (engine.fastpath's int8-drafter), its rows quantized to int16 in
+    # the drafter is int8 too (engine.cpu.fastpath's int8-drafter), its rows quantized to int16 in
     # the kernel (dynamic), and drafts with the target's head: the same buffers, used that way
     assert isinstance(drafter.fc, Int8Linear) and drafter.fc.dynamic
     assert drafter.head.dynamic and drafter.head.qweight is target.lm_head.qweight

@@ -2,7 +2,7 @@
 interpreter): attention on odd shapes (page sizes, context lengths off the tile, decode / verify /
 prefill query counts, GQA 1/2/4, head_dim 16/32) in float32 and bfloat16; verification (greedy
 with ties, sampling) on ragged batches and vocabularies off the tile; the drafter's context K/V
-store. Then the engine's greedy tokens with `dispatch.use("triton")` equal `use("reference")`,
+store. Then the engine's greedy tokens with `dispatch.use("triton")` equal `use("torch")`,
 with and without a DFlash drafter, and its sampling through the Triton accept kernel stays
 inside the sampling support."""
 
@@ -30,7 +30,7 @@ from agentflash.engine.models.dflash import load_drafter  # noqa: E402
 from agentflash.engine.models.loader import load_model  # noqa: E402
 from agentflash.engine.sampler import SamplingParams  # noqa: E402
 from agentflash.kernels import (  # noqa: E402
-    dispatch, reference, triton_accept, triton_attention, triton_context_kv,
+    dispatch, reference, torch_ops, triton_accept, triton_attention, triton_context_kv,
 )
 from conftest import make_dflash_checkpoint, make_hf_model  # noqa: E402
 
@@ -75,10 +75,11 @@ def test_paged_attention_matches_reference(page, num_new, hq, hkv, d, dtype) -> 
     for grp in attn.groups:
         args = (q[grp.rows], k_cache, v_cache, grp.gather, grp.q_index, grp.out_index, grp.mask,
                 attn.scale)
-        got = triton_attention.paged_attention(*args)
         want = reference.paged_attention(*args)
-        assert got.dtype == dtype and got.shape == want.shape
-        torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+        for impl in (triton_attention.paged_attention, torch_ops.paged_attention):
+            got = impl(*args)
+            assert got.dtype == dtype and got.shape == want.shape
+            torch.testing.assert_close(got.cpu().double(), want, atol=ATOL[dtype], rtol=0)
 
 
 def test_paged_attention_without_mask() -> None:
@@ -88,8 +89,9 @@ def test_paged_attention_without_mask() -> None:
     gather = torch.randint(0, 50, (2, 35), generator=g).to(DEVICE)
     q_index = torch.arange(6, device=DEVICE).view(2, 3)
     args = (q, k_cache, v_cache, gather, q_index, None, None, 0.3)
-    torch.testing.assert_close(triton_attention.paged_attention(*args),
-                               reference.paged_attention(*args), atol=1e-4, rtol=0)
+    want = reference.paged_attention(*args)
+    for impl in (triton_attention.paged_attention, torch_ops.paged_attention):
+        torch.testing.assert_close(impl(*args).cpu().double(), want, atol=1e-4, rtol=0)
 
 
 # (block, query heads, KV heads, head_dim, dtype); context lengths 0, short, and 40 (past a
@@ -109,10 +111,11 @@ def test_draft_attention_matches_reference(block, hq, hkv, d, dtype, kind) -> No
     k_blk, v_blk = (torch.randn(n, block, hkv, d, generator=g).to(DEVICE, dtype)
                     for _ in range(2))
     args = (q, k_ctx, v_ctx, ctx_lens, k_blk, v_blk, d ** -0.5, *kind)
-    got = triton_attention.draft_attention(*args)
     want = reference.draft_attention(*args)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=0)
+    for impl in (triton_attention.draft_attention, torch_ops.draft_attention):
+        got = impl(*args)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.cpu().double(), want, atol=ATOL[dtype], rtol=0)
 
 
 def ragged_blocks(g: torch.Generator, n: int, width: int) -> tuple[torch.Tensor, ...]:
@@ -141,9 +144,9 @@ def test_accept_greedy_matches_reference(n, width, vocab) -> None:
                 drafts[i, k] = choice[min(int(start[i]) + k, rows - 1)]
     layout = torch.stack([start, num], dim=1)  # strided views, as the engine passes them
     args = [t.to(DEVICE) for t in (logits, layout[:, 0], layout[:, 1], drafts)]
-    got = triton_accept.accept_greedy(*args)
     want = reference.accept_greedy(*args)
-    assert torch.equal(got.cpu(), want.cpu())
+    for impl in (triton_accept.accept_greedy, torch_ops.accept_greedy):
+        assert torch.equal(impl(*args).cpu(), want)
     accepted = want[:, 0].cpu()
     assert (accepted <= num).all() and (width == 0 or accepted.max() > 0)
     for i in range(n):  # the reference itself: longest agreeing prefix, then the next argmax
@@ -167,9 +170,9 @@ def test_accept_sample_matches_reference(n, width, vocab) -> None:
                                             generator=g)[:width] for s in start])
     uniforms = torch.rand(n, width + 1, generator=g)
     args = [t.to(DEVICE) for t in (probs, start, num, drafts, uniforms)]
-    got = triton_accept.accept_sample(*args)
     want = reference.accept_sample(*args)
-    assert torch.equal(got.cpu(), want.cpu())
+    for impl in (triton_accept.accept_sample, torch_ops.accept_sample):
+        assert torch.equal(impl(*args).cpu(), want)
     for i in range(n):
         a, bonus = int(want[i, 0]), int(want[i, 1])
         row = int(start[i]) + a
@@ -189,19 +192,22 @@ def test_store_context_kv_matches_reference(dtype, norm) -> None:
     cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
     positions = torch.randint(0, max_pos, (tokens,), generator=g).to(DEVICE)
     slots = torch.randperm(slots_total, generator=g)[:tokens].to(DEVICE)
+    impls = (reference.store_context_kv, torch_ops.store_context_kv,
+             triton_context_kv.store_context_kv)
     caches = [[torch.zeros(slots_total, heads, d, dtype=dtype, device=DEVICE) for _ in range(2)]
-              for _ in range(2)]
-    for fn, (kc, vc) in zip((reference.store_context_kv, triton_context_kv.store_context_kv),
-                            caches):
+              for _ in impls]
+    for fn, (kc, vc) in zip(impls, caches):
         fn(k, v, weight, 1e-6, cos, sin, positions, slots, kc, vc)
-    (k_want, v_want), (k_got, v_got) = caches
-    # the reference rounds to bfloat16 after each op, the kernel once: a few units in the last place
+    (k_want, v_want), *others = caches
+    # the torch ops round to bfloat16 after each op, the oracle and the kernel once: a few
+    # units in the last place
     rtol = 0 if dtype == torch.float32 else 2 ** -6
-    torch.testing.assert_close(k_got.float(), k_want.float(), atol=ATOL[dtype], rtol=rtol)
-    assert torch.equal(v_got, v_want)
     untouched = torch.ones(slots_total, dtype=torch.bool)
     untouched[slots.cpu()] = False
-    assert not k_got[untouched.to(DEVICE)].any()  # nothing written outside the slots
+    for k_got, v_got in others:
+        torch.testing.assert_close(k_got.float(), k_want.float(), atol=ATOL[dtype], rtol=rtol)
+        assert torch.equal(v_got, v_want)
+        assert not k_got[untouched.to(DEVICE)].any()  # nothing written outside the slots
 
 
 def test_head_dim_must_be_a_power_of_two() -> None:
@@ -214,11 +220,11 @@ def test_head_dim_must_be_a_power_of_two() -> None:
 
 def test_dispatch_registers_triton_and_auto_keeps_cpu_on_reference(backend) -> None:
     backend("auto")
-    assert dispatch._pick("paged_attention", "cpu") is reference.paged_attention
+    assert dispatch._pick("paged_attention", "cpu") is torch_ops.paged_attention
     assert dispatch._pick("draft_attention", "cuda") is triton_attention.draft_attention
     backend("triton")
     assert dispatch._pick("paged_attention", "cpu") is triton_attention.paged_attention
-    assert dispatch._pick("store_kv", "cpu") is reference.store_kv  # no Triton store_kv
+    assert dispatch._pick("store_kv", "cpu") is torch_ops.store_kv  # no Triton store_kv
     for name in ("accept_greedy", "accept_sample", "store_context_kv"):
         assert dispatch._pick(name, "cpu").__module__.endswith(("triton_accept",
                                                                 "triton_context_kv"))
@@ -243,7 +249,7 @@ def test_engine_greedy_tokens_equal_reference(tmp_path, backend, monkeypatch) ->
     params = SamplingParams(max_new_tokens=6)
     for d in (None, drafter):
         outputs = []
-        for name in ("reference", "triton"):
+        for name in ("torch", "triton"):
             backend(name)
             engine = Engine(model, CacheConfig(4, 128), drafter=d, spec=SpecConfig(4),
                             speculation="always")

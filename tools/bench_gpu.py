@@ -30,7 +30,7 @@ from agentflash.engine.config import CacheConfig, ModelConfig, SchedulerConfig, 
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.qwen3 import CausalLM
 from agentflash.engine.sampler import SamplingParams
-from agentflash.kernels import dispatch, reference
+from agentflash.kernels import dispatch, torch_ops
 from agentflash.training.drafter_checkpoint import init_drafter
 
 # Qwen3-8B (config.json of Qwen/Qwen3-8B): 36 layers, hidden 4096, 32 query / 8 KV heads of 128
@@ -85,9 +85,9 @@ def paged_case(batch: int, ctx: int, q_len: int) -> dict:
     from agentflash.kernels import triton_attention
 
     out_t = triton_attention.paged_attention(*args)
-    torch.testing.assert_close(out_t, reference.paged_attention(*args), atol=2e-2, rtol=0)
+    torch.testing.assert_close(out_t, torch_ops.paged_attention(*args), atol=2e-2, rtol=0)
     times = {"triton": bench(lambda: triton_attention.paged_attention(*args)),
-             "reference": bench(lambda: reference.paged_attention(*args)),
+             "torch": bench(lambda: torch_ops.paged_attention(*args)),
              "sdpa_dense": bench(sdpa)}
     nbytes = 2 * k_cache[: batch * ctx].numel() * 2 + 2 * q.numel() * 2
     return row("paged_attention", f"N={batch} ctx={ctx} q={q_len}", times, nbytes)
@@ -112,9 +112,9 @@ def draft_case(batch: int, ctx: int, block: int = 16) -> dict:
         return F.scaled_dot_product_attention(q_t, k_all, v_all, enable_gqa=True)
 
     torch.testing.assert_close(triton_attention.draft_attention(*args),
-                               reference.draft_attention(*args), atol=2e-2, rtol=0)
+                               torch_ops.draft_attention(*args), atol=2e-2, rtol=0)
     times = {"triton": bench(lambda: triton_attention.draft_attention(*args)),
-             "reference": bench(lambda: reference.draft_attention(*args)),
+             "torch": bench(lambda: torch_ops.draft_attention(*args)),
              "sdpa_dense": bench(sdpa)}
     nbytes = 2 * (k_ctx.numel() + k_blk.numel()) * 2 + 2 * q.numel() * 2
     return row("draft_attention", f"N={batch} ctx={ctx} B={block}", times, nbytes)
@@ -132,7 +132,7 @@ def accept_case(batch: int, block: int = 16, vocab: int = 151936) -> list[dict]:
     drafts = choice[:, : block - 1].clone()
     drafts[:, 4:] = 0  # 4 accepted drafts per block: the kernel stops reading there
     args = (logits, start, num, drafts)
-    assert torch.equal(triton_accept.accept_greedy(*args), reference.accept_greedy(*args))
+    assert torch.equal(triton_accept.accept_greedy(*args), torch_ops.accept_greedy(*args))
 
     draft_lists = drafts.tolist()
 
@@ -145,14 +145,14 @@ def accept_case(batch: int, block: int = 16, vocab: int = 151936) -> list[dict]:
 
     out = [row("accept_greedy", f"N={batch} B={block} V={vocab}",
                {"triton": bench(lambda: triton_accept.accept_greedy(*args)),
-                "reference": bench(lambda: reference.accept_greedy(*args)),
+                "torch": bench(lambda: torch_ops.accept_greedy(*args)),
                 "host_loop": bench(host_loop)}, batch * 5 * vocab * 4)]
     probs = torch.softmax(logits, -1)
     uniforms = torch.rand(batch, block, device="cuda", generator=g)
     s_args = (probs, start, num, drafts, uniforms)
     out.append(row("accept_sample", f"N={batch} B={block} V={vocab}",
                    {"triton": bench(lambda: triton_accept.accept_sample(*s_args)),
-                    "reference": bench(lambda: reference.accept_sample(*s_args))},
+                    "torch": bench(lambda: torch_ops.accept_sample(*s_args))},
                    batch * 2 * vocab * 4))
     return out
 
@@ -171,11 +171,11 @@ def context_kv_case(tokens: int) -> dict:
     caches = [torch.zeros(tokens * 2, HKV, D, device="cuda", dtype=DTYPE) for _ in range(4)]
     ref = (k, v, weight, 1e-6, cos, sin, positions, slots, caches[0], caches[1])
     tri = (k, v, weight, 1e-6, cos, sin, positions, slots, caches[2], caches[3])
-    reference.store_context_kv(*ref)
+    torch_ops.store_context_kv(*ref)
     triton_context_kv.store_context_kv(*tri)
     torch.testing.assert_close(caches[2].float(), caches[0].float(), atol=2e-2, rtol=2 ** -6)
     times = {"triton": bench(lambda: triton_context_kv.store_context_kv(*tri)),
-             "reference": bench(lambda: reference.store_context_kv(*ref))}
+             "torch": bench(lambda: torch_ops.store_context_kv(*ref))}
     return row("store_context_kv", f"T={tokens}", times, 4 * k.numel() * 2)
 
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from agentflash.engine.attention import KernelAttention, PagedAttention
+from agentflash.engine.attention import PagedAttention
+from agentflash.engine.cpu.attention import KernelAttention
 from agentflash.kernels import cpu_ops
 
 SHAPES = {  # (N, K) of the linears of one layer, and the head

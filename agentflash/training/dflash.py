@@ -12,7 +12,7 @@ One step over a batch of sequences:
    every position are computed with grad (fc, hidden_norm and the k/v projections train).
 3. The drafter runs every block in one forward through `AnchorBlockAttention`, whose mask
    (`anchor_block_mask`) lets block j see the context keys < a_j and its own block, never another
-   block: what serving computes (`kernels.reference.draft_attention` over the cached context).
+   block: what serving computes (`kernels.torch_ops.draft_attention` over the cached context).
 4. `block_loss`: cross-entropy of block position k = 1..B-1 against the token at a+k, where that is
    in range and a response token, weighted exp(-(k-1)/gamma); the weighted mean is the loss.
 

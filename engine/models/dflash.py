@@ -13,7 +13,7 @@ One draft step for N sequences (spec: shared/specs/dflash.md), tokens flattened 
    (kernel `draft_attention`, mode from `layer_kind(layer)`). Block K/V are never cached. With
    `rows`, the last layer computes only the rows whose drafts are verified (every row's K/V).
 4. `logits(target, hidden)` on block rows 1..B-1: row k predicts the token at start + k, through
-   the target's head (or the drafter's own copy of it, `head`: engine.fastpath's int8 one).
+   the target's head (or the drafter's own copy of it, `head`: engine.cpu.fastpath's int8 one).
 
 The layers are the target's Qwen3 `DecoderLayer` (pre-norm, q/k RMSNorm, RoPE): a block token's
 computation is exactly a target layer's. Parameter names are the checkpoint's (no `model.`
@@ -50,7 +50,7 @@ DRAFTER_SUBDIR = "drafter"
 
 
 class LayerKind(NamedTuple):
-    """How a drafter layer's block queries see keys (see kernels.reference.draft_attention)."""
+    """How a drafter layer's block queries see keys (see kernels.torch_ops.draft_attention)."""
 
     causal: bool          # block keys only up to the query's own position
     window: int | None    # keys only within this distance of the query (None: all)
@@ -74,10 +74,10 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         # Inference transformations that cannot slice qkv_proj's weight (packed weights) give
-        # each layer a linear of its own for the context K/V rows (engine.fastpath).
+        # each layer a linear of its own for the context K/V rows (engine.cpu.fastpath).
         self.context_kv_proj: nn.ModuleList | None = None
         # An inference transformation may give the drafter a copy of the target's head to draft
-        # with (engine.fastpath: an int8 one); None: the target's own.
+        # with (engine.cpu.fastpath: an int8 one); None: the target's own.
         self.head: nn.Module | None = None
         # As the reference: sliding layers are causal in the block unless is_causal says otherwise.
         self._kinds = tuple(

@@ -8,7 +8,7 @@ token, scaled by sigmoid(`shared_expert_gate`(x)), and is added.
 The experts' weights are stacked as transformers holds them in memory: `experts.gate_up_proj`
 [E, 2 * inter, hidden] (each expert's gate rows, then its up rows) and `experts.down_proj`
 [E, hidden, inter]. Tokens are grouped by expert, so each chosen expert runs one matmul pair over
-its tokens and unchosen experts cost nothing. With `Experts.kernel` set (engine.fastpath does, in
+its tokens and unchosen experts cost nothing. With `Experts.kernel` set (engine.cpu.fastpath does, in
 bfloat16 on a CPU where agentflash's kernels run and torch would emulate bf16 matmuls) those
 matmuls take the CPU kernel, whose rows do not depend on how many tokens an expert got.
 """

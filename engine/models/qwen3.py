@@ -112,7 +112,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied checkpoints have no lm_head: `logits` multiplies by the embedding matrix instead,
         # so nothing needs re-tying after `load_state_dict(assign=True)`. (An inference
-        # transformation may set a head of its own: engine.fastpath packs one on CPU.)
+        # transformation may set a head of its own: engine.cpu.fastpath packs one on CPU.)
         self.lm_head: nn.Module | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -133,7 +133,7 @@ class CausalLM(nn.Module):
         """float32 logits [..., vocab] (the matmul runs in the model dtype, as in HF). Leading
         dimensions are flattened first: on a strided 3-d view (the drafter's block rows) linear
         would broadcast the head into a batched matmul several times slower on CPU. head: a
-        copy of the head to project with instead (a drafter's int8 one, engine.fastpath)."""
+        copy of the head to project with instead (a drafter's int8 one, engine.cpu.fastpath)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         head = head if head is not None else self.lm_head
         flat = F.linear(flat, self.embed_tokens.weight) if head is None else head(flat)

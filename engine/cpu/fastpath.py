@@ -11,16 +11,16 @@ serves every decode and verify row, so speculative output equals plain output wi
 (tests/test_compiled.py).
 
 - `onednn-packed-bf16` (CPU, bfloat16, oneDNN with bf16 support): every linear layer's weight is
-  reordered once into oneDNN's blocked layout (engine.models.packed); the tied lm_head gets a
+  reordered once into oneDNN's blocked layout (engine.cpu.packed); the tied lm_head gets a
   packed copy of the embedding matrix (the embedding lookup keeps the plain one). With the
   compiled step only the head is packed: the programs hold their own packed weights.
 
 - `cpu-kernels` (with the compiled step, where agentflash's CPU kernels run: kernels.cpu_ops,
   AVX512-BF16, AVX512 or AVX2): the programs compute their linears and attention with them, and
-  the head becomes a `KernelLinear` on the checkpoint's matrix (engine.compiled).
+  the head becomes a `KernelLinear` on the checkpoint's matrix (engine.cpu.compiled).
 
 - `widened-bf16-linears` (CPU, bfloat16, no native bf16 matmuls, where the CPU kernels run):
-  every linear layer of the eager models becomes a `WidenedLinear` (engine.models.kernel_linear):
+  every linear layer of the eager models becomes a `WidenedLinear` (engine.cpu.kernel_linear):
   the kernel for few rows, float32 on the widened weight for prefill chunks, where torch's
   emulated bf16 matmul is ~5x slower than float32 (the runner gives each prefill chunk a forward
   of its own, so a chunk's rows are the same in every run). Applied after compiling (the
@@ -31,7 +31,7 @@ serves every decode and verify row, so speculative output equals plain output wi
 - `aoti-compiled-step` (CPU, bfloat16, AOTInductor; on by default up to 2 GB of weights,
   `compile=False` or $AGENTFLASH_COMPILE=0 turn it off, `compile=True` forces it; applied
   before packing): the decode and verify forwards are compiled ahead of time into one program,
-  the drafter's forward into another (engine.compiled), cached on disk. Its numbers are
+  the drafter's forward into another (engine.cpu.compiled), cached on disk. Its numbers are
   Inductor's, not eager's bit for bit, but one program serves every decode and verify row, so
   greedy speculative output still equals plain output. Where compiling fails (no C++ compiler,
   an unsupported op), a warning says why and the engine runs eager.
@@ -39,7 +39,7 @@ serves every decode and verify row, so speculative output equals plain output wi
 One transformation changes the output's numbers and so runs only when asked for
 (`quantize="int8"`):
 - `int8-weights` (CPU, bfloat16, where agentflash's CPU kernels run): the target's decoder
-  linears and its head become per-channel int8 (engine.models.quantized.Int8Linear; a tied head
+  linears and its head become per-channel int8 (engine.cpu.quantized.Int8Linear; a tied head
   gets an int8 copy, the embedding keeps its matrix). Half the bytes a decode step reads.
   Greedy speculative output equals the quantized target's plain output, bit for bit.
 
@@ -71,16 +71,16 @@ from torch import nn
 
 from agentflash.kernels import cpu_ops
 
+from ..models.dflash import DFlashDraftModel
+from ..models.moe import Experts
+from ..models.qwen3 import CausalLM
+from ..models.qwen3_5 import HybridCausalLM
 from . import compiled as compiled_step
 from .compiled import CompiledDraft, CompiledForward
 from .forward import DecodeForward, DraftForward
-from .models.dflash import DFlashDraftModel
-from .models.kernel_linear import KernelLinear, WidenedLinear, swap_linears
-from .models.moe import Experts
-from .models.packed import PackedLinear, pack_linears, packing_available
-from .models.quantized import Int8Linear, quantize_drafter_int8, quantize_linears_int8
-from .models.qwen3 import CausalLM
-from .models.qwen3_5 import HybridCausalLM
+from .kernel_linear import KernelLinear, WidenedLinear, swap_linears
+from .packed import PackedLinear, pack_linears, packing_available
+from .quantized import Int8Linear, quantize_drafter_int8, quantize_linears_int8
 
 log = logging.getLogger(__name__)
 

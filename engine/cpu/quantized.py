@@ -1,5 +1,5 @@
 """Weight-only int8 linear layers for CPU decoding: an opt-in transformation of a finished model
-(engine.fastpath, `quantize="int8"`).
+(engine.cpu.fastpath, `quantize="int8"`).
 
 A decode step on CPU streams every weight once for one token, so its matmuls are bound by memory
 bandwidth: fewer bytes per weight are fewer bytes to read.
@@ -14,7 +14,7 @@ call. The model's head gets an int8 copy of its matrix too (tied embeddings keep
 lookup): at Qwen3-0.6B's size it is a quarter of the weights.
 
 `quantize_drafter_int8` does the same to a DFlash drafter, whose numbers only decide which
-drafts are proposed: engine.fastpath's `int8-drafter`, on by default where the kernels run. Its
+drafts are proposed: engine.cpu.fastpath's `int8-drafter`, on by default where the kernels run. Its
 layers are `dynamic`: their kernel rows quantize x to 16-bit integers too and sum the products in
 int32 (kernels.cpu_ops.linear_int8, dynamic): 1.3-2.9x the float32 kernel's speed on a
 drafter's 1-15 rows when its weights are in cache, about the same at 1-2 rows from memory; a
@@ -31,7 +31,7 @@ from torch import nn
 
 from agentflash.kernels import cpu_ops
 
-from .dflash import DFlashDraftModel
+from ..models.dflash import DFlashDraftModel
 from .kernel_linear import WIDEN_ROWS
 from .packed import packing_available
 
@@ -66,7 +66,7 @@ class Int8Linear(nn.Module):
         if self.kernel_rows is None or x.numel() <= self.kernel_rows * self.in_features:
             return cpu_ops.linear_int8(x, self.qweight, self.scale, self.bias, self.dynamic)
         if x.dtype == torch.bfloat16 and packing_available():
-            # where oneDNN's bf16 matmuls run (as bf16 prefill's do, engine.fastpath): on the
+            # where oneDNN's bf16 matmuls run (as bf16 prefill's do, engine.cpu.fastpath): on the
             # int8 values (exact in bf16), scaled after; 2.6-3.4x float32's speed at 512 rows on
             # AVX512-BF16 (the product rounded to bf16 once more)
             y = F.linear(x, self.qweight.to(x.dtype)).float() * self.scale
@@ -77,7 +77,7 @@ class Int8Linear(nn.Module):
 
     def kernel_only(self) -> Int8Linear:
         """The same layer (sharing its buffers) with every call through the kernel: what a
-        decode/verify forward computes its rows with (engine.forward)."""
+        decode/verify forward computes its rows with (engine.cpu.forward)."""
         clone = copy.copy(self)
         clone.kernel_rows = None
         return clone

@@ -36,16 +36,19 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from agentflash.kernels import cpu_ops, disk_cache, reference
+from agentflash.kernels import cpu_ops, disk_cache, torch_ops
 
+from .. import attention as paged_attention_module
+from ..attention import PagedAttention, PagedDraftAttention
+from ..models import dflash, layers, qwen3, rope
+from ..models.dflash import DFlashDraftModel
+from ..models.qwen3 import CausalLM
 from . import attention as attention_module
 from . import forward as forward_module
-from .attention import KernelAttention, KernelDraftAttention, PagedAttention, PagedDraftAttention
+from . import kernel_linear, quantized
+from .attention import KernelAttention, KernelDraftAttention
 from .forward import (DecodeForward, DraftForward, DraftStep, StepArgs, TargetStep,
                       draft_metadata, step_args)
-from .models import dflash, kernel_linear, layers, quantized, qwen3, rope
-from .models.dflash import DFlashDraftModel
-from .models.qwen3 import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +72,8 @@ def inductor_options(kernels: bool) -> dict:
     """What a program is compiled with (part of its cache key)."""
     return {**INDUCTOR_OPTIONS, **(SERIAL_FUSED if kernels else {})}
 
-_SOURCES = (reference, attention_module, forward_module, cpu_ops, dflash, kernel_linear, layers,
-            quantized, qwen3, rope, sys.modules[__name__])
+_SOURCES = (torch_ops, paged_attention_module, attention_module, forward_module, cpu_ops, dflash,
+            kernel_linear, layers, quantized, qwen3, rope, sys.modules[__name__])
 """Modules whose code the compiled program is made of: their source is part of the cache key."""
 
 
@@ -163,7 +166,7 @@ class CompiledForward(DecodeForward):
               kernels: bool | None = None) -> CompiledForward:
         """Load the program for `model` (and `drafter`'s context store) from the cache,
         compiling it first when it is not there. The models must hold plain `nn.Linear`
-        layers (before engine.fastpath packs them: freezing packs its own copy). kernels:
+        layers (before engine.cpu.fastpath packs them: freezing packs its own copy). kernels:
         linears and attention through the CPU kernels (`use_kernels`; None: where they run)."""
         kernels = use_kernels(model, kernels)
         key = cache_key(model, drafter, _linears(kernels))
@@ -324,7 +327,7 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
         pages = Dim("pages", min=1, max=1 << 16)
         attention: tuple = ({0: seqs, 1: pages}, {0: tokens}, {0: tokens})
     else:
-        queries = Dim("queries", min=1, max=reference.INVARIANT_MAX_QUERIES)
+        queries = Dim("queries", min=1, max=torch_ops.INVARIANT_MAX_QUERIES)
         chunks = Dim("chunks", min=1, max=1 << 14)
         attention = ({0: seqs, 1: queries}, {0: tokens}, {0: seqs, 2: chunks},
                      {0: seqs, 1: chunks, 2: queries})

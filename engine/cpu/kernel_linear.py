@@ -2,7 +2,7 @@
 
 `KernelLinear` computes `nn.Linear`'s forward through the kernel, on the same weight and bias
 tensors (no copy, no packed layout). `with_kernel_linears` gives a copy of a model that shares
-every parameter and has each linear computed that way: what engine.compiled traces its
+every parameter and has each linear computed that way: what engine.cpu.compiled traces its
 programs from, so the decode and verify rows of a compiled step read the checkpoint's weights
 through the kernel while the eager model (prefill) keeps its own linears.
 
@@ -68,7 +68,7 @@ class WidenedLinear(KernelLinear):
 def with_kernel_linears(module: nn.Module) -> nn.Module:
     """A copy of `module` sharing every parameter, with each `nn.Linear` below it (itself
     included) a `KernelLinear` and each layer that takes a call's row count into account (a
-    `WidenedLinear`, engine.models.quantized's `Int8Linear`) its `kernel_only()` self;
+    `WidenedLinear`, engine.cpu.quantized's `Int8Linear`) its `kernel_only()` self;
     `module` is unchanged."""
     if isinstance(module, nn.Linear):
         return KernelLinear(module.weight, module.bias)

@@ -32,7 +32,7 @@ def packing_available() -> bool:
     (Skylake-SP to Ice Lake), emulated there at about a fourth of its float32 speed (measured on
     a 2-core Xeon at 512 rows, 384 -> 2048: 55 GFLOP/s against 227 in float32 on the widened
     weight); those CPUs take agentflash's
-    kernels and float32 prefill instead (engine.fastpath: widened-bf16-linears)."""
+    kernels and float32 prefill instead (engine.cpu.fastpath: widened-bf16-linears)."""
     if not (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and torch.ops.mkldnn._is_mkldnn_bf16_supported()):

@@ -1,5 +1,5 @@
 """The forward of a step's decode rows and verify blocks, and the DFlash drafter's block
-forward: the modules engine.compiled exports, and how a step runs them.
+forward: the modules engine.cpu.compiled exports, and how a step runs them.
 
 A decode/verify forward serves every decode row and verify block of a step (the runner sends
 prefill chunks to the eager model in a forward of their own), so a row's numbers never depend on
@@ -7,7 +7,7 @@ what else shares its forward: a verify block's rows are bitwise the plain decode
 which greedy speculative decoding needs to equal plain decoding. `DecodeForward` runs
 `TargetStep` and `DraftForward` runs `DraftStep`, eager on agentflash's CPU kernels
 (kernels.cpu_ops: linears and attention whose rows are independent of the call by
-construction); engine.compiled's `CompiledForward` and `CompiledDraft` run the same modules
+construction); engine.cpu.compiled's `CompiledForward` and `CompiledDraft` run the same modules
 compiled ahead of time instead (faster: fused elementwise kernels, no Python per op). The eager
 runners are what an engine on a CPU with the kernels uses where no program is made: compiling
 turned off, or a model over the compile bound (its package would copy the weights).
@@ -22,12 +22,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from agentflash.kernels import reference
+from agentflash.kernels import torch_ops
 
-from .attention import KernelAttention, KernelDraftAttention, PagedAttention, PagedDraftAttention
-from .models.dflash import DFlashDraftModel
-from .models.kernel_linear import KernelLinear, with_kernel_linears
-from .models.qwen3 import CausalLM
+from ..attention import PagedAttention, PagedDraftAttention
+from ..models.dflash import DFlashDraftModel
+from ..models.qwen3 import CausalLM
+from .attention import KernelAttention, KernelDraftAttention
+from .kernel_linear import KernelLinear, with_kernel_linears
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def draft_metadata(attn: KernelDraftAttention | PagedDraftAttention) -> tuple[to
 def kernel_view(module: nn.Module) -> nn.Module:
     """`module` with its linears through the kernel (a copy sharing the weights); a drafter's
     context K/V rows too (the K and V rows of each layer's fused qkv_proj, as a linear, unless
-    it has its own: the int8 drafter's, engine.fastpath)."""
+    it has its own: the int8 drafter's, engine.cpu.fastpath)."""
     out = with_kernel_linears(module)
     if isinstance(module, DFlashDraftModel) and module.context_kv_proj is None:
         out.context_kv_proj = nn.ModuleList(
@@ -81,7 +82,7 @@ def kernel_view(module: nn.Module) -> nn.Module:
 
 def without_head(model: CausalLM) -> CausalLM:
     """The model sharing every module but its head: the forward ends at the final norm, and a
-    packed head (engine.fastpath, an earlier engine on the same model) cannot be traced."""
+    packed head (engine.cpu.fastpath, an earlier engine on the same model) cannot be traced."""
     trunk = copy.copy(model)
     trunk._modules = {**model._modules, "lm_head": None}
     return trunk
@@ -128,7 +129,7 @@ class TargetStep(nn.Module):
         else:
             q_index, out_index, kv_index, visible = attention
             attn = PagedAttention.from_plan(k_caches, v_caches, slot_mapping, q_index, out_index,
-                                            reference.ChunkPlan(kv_index, visible), scale)
+                                            torch_ops.ChunkPlan(kv_index, visible), scale)
         out = self.model(ids, positions, attn, self.capture)
         if self.drafter is not None:
             ctx = self.drafter.context_features(out.captured)
@@ -141,7 +142,7 @@ class DraftStep(nn.Module):
     """The drafter's forward: N blocks of B tokens embedded, through its layers over each
     sequence's cached context K/V, to the final norm, for the block tokens `rows` (indices into
     the N*B: those whose drafts are verified), and with the CPU kernels through its own head
-    (`DFlashDraftModel.head`, the int8 copy engine.fastpath gives it) to float32 logits; else
+    (`DFlashDraftModel.head`, the int8 copy engine.cpu.fastpath gives it) to float32 logits; else
     the hidden states (the head stays eager). With the CPU kernels (and no windowed layer) the
     attention reads the context in place (KernelDraftAttention) and the last layer computes only
     `rows` (its K/V for every token); else the attention goes through the torch path
@@ -180,7 +181,7 @@ class DraftStep(nn.Module):
                                        [d.layer_kind(i) for i in range(len(d.layers))])
             hidden = d(h, positions, attn, block_size=self.block_size).index_select(0, rows)
         # the head either way: a drafter whose attention the kernel cannot take (a window, an
-        # odd head size) still has the head engine.fastpath gave it
+        # odd head size) still has the head engine.cpu.fastpath gave it
         return d.scaled(d.head(hidden).float()) if self.returns_logits else hidden
 
 
