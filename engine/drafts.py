@@ -27,7 +27,7 @@ from .spec import Verdict
 if TYPE_CHECKING:
     from .accounting import Accounting, SeqUpdate
     from .policy import SpeculationPolicy
-    from .runner import ModelRunner
+    from .drafter_runner import DrafterRunner
     from .batch import BatchItem
 
 Failed = list[tuple["BatchItem", RequestError]]
@@ -123,7 +123,7 @@ class ContextDrafts:
 class DrafterDrafts:
     name = "drafter"
 
-    def __init__(self, runner: ModelRunner, policy: SpeculationPolicy,
+    def __init__(self, runner: DrafterRunner, policy: SpeculationPolicy,
                  accounting: Accounting) -> None:
         self.runner = runner
         self.policy = policy

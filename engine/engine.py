@@ -25,6 +25,7 @@ from .calibration import measure_prefill_cost, step_costs
 from .config import CacheConfig, PrefillCost, SchedulerConfig, SpecConfig
 from .constraint import TokenConstraint, masked, settle
 from .cpu.fastpath import Prepared, prepare
+from .drafter_runner import DrafterRunner, NoDrafter
 from .drafts import ContextDrafts, DraftSource, DrafterDrafts, PredictionDrafts
 from .errors import ContextLengthError, KVPoolExhaustedError, RequestError
 from .kv.manager import KVManager, Pin
@@ -116,14 +117,11 @@ class Engine:
         self.scheduler = Scheduler(scheduler, self.kv, self.states)
         self.drafter = drafter
         self.block_size = block_size
-        draft_layers = None
-        if drafter is not None:
-            dcfg = drafter.config
-            draft_layers = self.pool.add_layers(
-                [(dcfg.num_key_value_heads, dcfg.head_dim)] * dcfg.num_hidden_layers
-            )
-        self.runner = ModelRunner(model, self.pool, self.kv, drafter, draft_layers,
-                                  prepared.decode, prepared.draft, self.states)
+        drafts: DrafterRunner | None = None
+        if drafter is not None:  # its context K/V in layers of the same pool
+            drafts = DrafterRunner(drafter, model, self.pool, self.kv, prepared.draft)
+        self.runner = ModelRunner(model, self.pool, self.kv, prepared.decode,
+                                  drafts or NoDrafter(), self.states)
         self.detokenize = detokenize
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.policy = SpeculationPolicy(spec, block_size)
@@ -135,8 +133,8 @@ class Engine:
             "prediction": PredictionDrafts(self.policy),
             "context": ContextDrafts(self.policy, self.accounting),
         }
-        if drafter is not None:
-            self.sources["drafter"] = DrafterDrafts(self.runner, self.policy, self.accounting)
+        if drafts is not None:
+            self.sources["drafter"] = DrafterDrafts(drafts, self.policy, self.accounting)
         self._ids = itertools.count()
         self._seqs: dict[int, Sequence] = {}
         self._done: dict[int, Completion] = {}

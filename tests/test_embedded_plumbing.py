@@ -136,7 +136,7 @@ def test_cli_uses_the_models_own_drafter(hf_checkpoint, fake_embedded, tmp_path,
     assert plain["model"] == str(path) and "block_size" not in plain
     make_dflash_checkpoint(path / "drafter", hf.config, block_size=4)
 
-    auto = run(capsys, *common)
+    auto = run(capsys, *common, "--speculation", "always")  # every step a full block
     assert auto["drafter"] == str(path / "drafter") and auto["block_size"] == 4
     assert sum(auto["acceptance_lengths"]) == len(auto["output_ids"]) - 1
     assert len(auto["accepted_per_position"]) == 3

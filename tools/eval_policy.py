@@ -70,13 +70,13 @@ def replay(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     """The engine's own policy (deciding with engine.policy.spec's costs): tokens per plain step of
     modeled cost, by `scored`'s costs."""
     rows: list[int] = []
-    draft = engine.runner.draft
+    draft = engine.runner.drafter.draft
 
     def counted(items, block_size, drafts):   # the drafter's rows this step
         rows.append(drafts)
         return draft(items, block_size, drafts)
 
-    engine.runner.draft = counted
+    engine.runner.drafter.draft = counted
     tokens, cost = 0, 0.0
     try:
         for prompt in prompts:
@@ -92,7 +92,7 @@ def replay(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                                  + c.verify[u.draft_tokens + u.lookup_tokens])
                         tokens += len(u.new_token_ids)
     finally:
-        engine.runner.draft = draft
+        engine.runner.drafter.draft = draft
     return tokens / cost
 
 
@@ -105,7 +105,7 @@ def anchors(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[
     n = engine.block_size - 1
     while engine.has_work():
         if seq.output_ids and not seq.prefilling and seq.finish_reason is None:
-            logits = engine.runner.draft([BatchItem(seq, n + 1)], engine.block_size, n)
+            logits = engine.runner.drafter.draft([BatchItem(seq, n + 1)], engine.block_size, n)
             blocks[len(seq.output_ids)] = logits[0].argmax(-1).tolist()
         engine.step()
     out = engine.result(seq_id).output_ids

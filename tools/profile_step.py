@@ -51,7 +51,7 @@ def _forward(engine: Engine, seq, tokens: int, draft: bool) -> tuple[float, floa
     item.draft = [1] * (tokens - 1) if item.verifies else None
     t0 = time.perf_counter()
     if draft:
-        engine.runner.draft([item], engine.block_size, tokens - 1)
+        engine.runner.drafter.draft([item], engine.block_size, tokens - 1)
     t1 = time.perf_counter()
     engine.runner.forward([item])
     t2 = time.perf_counter()
