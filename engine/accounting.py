@@ -153,17 +153,9 @@ class Accounting:
                 total += self.prefill_cost.units(item.num_tokens, item.start)
             elif not auto:
                 return None
-            elif item.cost is not None:
+            elif item.cost is not None:  # a verify (its source set the costs it was planned with)
                 cost = item.cost
                 total += cost.verify[item.num_tokens - 1] * cost.plain_s / cost.batch
-            elif item.num_tokens == 1:
-                plain = self.policy.spec.plain_s_at(decoding, item.start)
-                if plain is None:
-                    return None
-                total += plain
-            else:
-                cost = self.policy.cost_at(decoding, item.start)
-                if cost is None:
-                    return None
-                total += cost.verify[item.num_tokens - 1] * cost.plain_s / cost.batch
+            else:  # a plain decode row
+                total += self.policy.spec.plain_s_at(decoding, item.start) or 0.0
         return total
