@@ -27,8 +27,9 @@ BATCH_COSTS = (4, 16)
 """Batch sizes whose step costs `step_costs` measures beside batch 1."""
 
 
-class Engine(Protocol):
-    """What the measurements drive: an engine.engine.Engine, idle."""
+class Measured(Protocol):
+    """What the measurements drive: an idle engine.engine.Engine (a protocol, so that the
+    engine can import this module)."""
 
     drafter: Any
     block_size: int
@@ -50,7 +51,7 @@ class Engine(Protocol):
     def has_work(self) -> bool: ...
 
 
-def step_costs(engine: Engine, spec: SpecConfig) -> SpecConfig:
+def step_costs(engine: Measured, spec: SpecConfig) -> SpecConfig:
     """`spec` with the step costs speculation="auto" decides with: batch 1 after 256 tokens
     and after 2048 (or half the context), and batches of `BATCH_COSTS` as far as the scheduler
     and the pool hold them (shorter contexts where the model's or the pool's are)."""
@@ -69,7 +70,7 @@ def step_costs(engine: Engine, spec: SpecConfig) -> SpecConfig:
     return replace(spec, cost=cost, long_cost=long, batch_costs=tuple(batches))
 
 
-def measure_step_cost(engine: Engine, context: int = 256, steps: int = 8,
+def measure_step_cost(engine: Measured, context: int = 256, steps: int = 8,
                       batch: int = 1) -> StepCost:
     """A plain decode step of `batch` requests after a `context`-token prompt each (shorter
     where the model's context is), and the cost of verifying 2, 4, 8 .. block_size tokens
@@ -84,7 +85,7 @@ def measure_step_cost(engine: Engine, context: int = 256, steps: int = 8,
     return StepCost(per_k(draft), per_k(target), plain, context, batch)
 
 
-def measure_prefill_cost(engine: Engine, tokens: int = 256, context: int = 1024,
+def measure_prefill_cost(engine: Measured, tokens: int = 256, context: int = 1024,
                          rounds: int = 3) -> PrefillCost:
     """The shape of prefill costs (PrefillCost), fitted to the median times of three
     forwards, interleaved over `rounds`: `tokens` prompt tokens and 16 computed after none
@@ -121,7 +122,7 @@ def measure_prefill_cost(engine: Engine, tokens: int = 256, context: int = 1024,
 
 
 def _time_blocks(
-    engine: Engine, context: int, blocks: list[int], steps: int, batch: int = 1
+    engine: Measured, context: int, blocks: list[int], steps: int, batch: int = 1
 ) -> tuple[int, list[float], list[float]]:
     """`batch` synthetic requests: a `context`-token prompt each, then `steps` rounds of one
     step at each verify length in `blocks`, longest first, the plain step (length 1) after

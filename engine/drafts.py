@@ -10,14 +10,15 @@ a judged step of its drafts (`record`). Three exist:
 Under a grammar each draft is checked against it (engine.constraint): a source's drafts stop
 where the grammar would refuse one, and each verify row gets the grammar's mask.
 
-To add a source: a class with a `name`, `propose` and `record`, listed in
+To add a source: a class with a `name`, `propose` (`fill` does it for a list of tokens) and
+`record`, listed in
 `Engine.__init__`'s sources, and a case in `SpeculationPolicy.source` saying when it proposes.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from .constraint import follow, propose
 from .errors import RequestError
@@ -48,19 +49,27 @@ class DraftSource(Protocol):
         ...
 
 
-def fill(item: BatchItem, tokens: list[int]) -> RequestError | None:
-    """Set a verify item's drafts to `tokens`, cut by its grammar."""
-    seq = item.seq
-    if seq.constraint is None:
-        item.draft = tokens
-        return None
-    t_grammar = time.perf_counter()
-    try:
-        item.draft, item.masks = follow(seq.constraint, tokens)
-    except RequestError as e:
-        return e
-    seq.counters.grammar_s += time.perf_counter() - t_grammar
-    return None
+def fill(items: list[BatchItem], decoding: int, policy: SpeculationPolicy,
+         tokens_of: Callable[[BatchItem, int], list[int]]) -> Failed:
+    """Each item's drafts: `tokens_of(item, n)`, at most n = its planned length - 1, cut by its
+    grammar; and
+    the step costs its verify is planned with. Returns the items whose grammar failed."""
+    failed = []
+    for item in items:
+        seq = item.seq
+        item.cost = policy.cost_at(decoding, seq.num_tokens)
+        tokens = tokens_of(item, item.planned - 1)
+        if seq.constraint is None:
+            item.draft = tokens
+            continue
+        t_grammar = time.perf_counter()
+        try:
+            item.draft, item.masks = follow(seq.constraint, tokens)
+        except RequestError as e:
+            failed.append((item, e))
+            continue
+        seq.counters.grammar_s += time.perf_counter() - t_grammar
+    return failed
 
 
 class PredictionDrafts:
@@ -70,16 +79,7 @@ class PredictionDrafts:
         self.policy = policy
 
     def propose(self, items: list[BatchItem], decoding: int) -> Failed:
-        failed = []
-        for item in items:
-            seq = item.seq
-            assert seq.prediction is not None
-            at = len(seq.output_ids)
-            item.cost = self.policy.cost_at(decoding, seq.num_tokens)
-            error = fill(item, seq.prediction[at:at + item.planned - 1])
-            if error is not None:
-                failed.append((item, error))
-        return failed
+        return fill(items, decoding, self.policy, _predicted)
 
     def record(self, item: BatchItem, verdict: Verdict, kept: int, update: SeqUpdate) -> None:
         pass  # Sequence.follow_prediction counts what the output reproduced
@@ -93,15 +93,7 @@ class ContextDrafts:
         self.accounting = accounting
 
     def propose(self, items: list[BatchItem], decoding: int) -> Failed:
-        failed = []
-        for item in items:
-            seq = item.seq
-            assert seq.spec.lookup is not None
-            item.cost = self.policy.cost_at(decoding, seq.num_tokens)
-            error = fill(item, seq.spec.lookup[:item.planned - 1])
-            if error is not None:
-                failed.append((item, error))
-        return failed
+        return fill(items, decoding, self.policy, _looked_up)
 
     def record(self, item: BatchItem, verdict: Verdict, kept: int, update: SeqUpdate) -> None:
         assert item.draft is not None
@@ -118,6 +110,19 @@ class ContextDrafts:
         total.lookups += 1
         total.lookup_tokens += drafted
         total.lookup_accepted += verdict.accepted
+
+
+def _predicted(item: BatchItem, n: int) -> list[int]:
+    """The next n tokens of the prediction, from where the output has reached in it."""
+    seq = item.seq
+    assert seq.prediction is not None
+    at = len(seq.output_ids)
+    return seq.prediction[at:at + n]
+
+
+def _looked_up(item: BatchItem, n: int) -> list[int]:
+    assert item.seq.spec.lookup is not None
+    return item.seq.spec.lookup[:n]
 
 
 class DrafterDrafts:
