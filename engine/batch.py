@@ -26,6 +26,9 @@ class BatchItem:
     planned: int
     draft: list[int] | None = None
     masks: list[torch.Tensor] | None = None  # constrained verify: allowed tokens per block row
+    q: tuple[torch.Tensor, torch.Tensor] | None = None  # sampled drafts: the distribution each
+                                        # was drawn from (probs [n, K], token ids [n, K]);
+                                        # None: each draft was chosen for certain
     source: str = ""                    # whose drafts (engine.drafts: a DraftSource's name)
     cost: StepCost | None = None        # the step costs its verify was planned with
     forward_s: float = 0.0              # its share of the forward's seconds (by tokens fed)

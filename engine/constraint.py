@@ -18,7 +18,7 @@ constrained decoding, so constrained greedy output is identical with and without
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -58,18 +58,22 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 def propose(
-    constraint: TokenConstraint, draft_logits: torch.Tensor
+    constraint: TokenConstraint, draft_logits: torch.Tensor,
+    choose: Callable[[int, torch.Tensor], int] | None = None,
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """Grammatical drafts from drafter logits [n, V], advancing the matcher through them.
+    """Grammatical drafts from drafter logits [n, V], advancing the matcher through them: at
+    each row the argmax of the allowed tokens, or `choose(row index, masked logits)` (a DFlash2
+    selector's walk; it must return an allowed token).
 
     Returns (drafts, masks): masks[k] is the allowed set after drafts[:k] (len(drafts) + 1 masks;
     the last judges the bonus row). Drafting stops early when the grammar terminates."""
     drafts: list[int] = []
     masks = [constraint.allowed()]
-    for row in draft_logits:
+    for j, row in enumerate(draft_logits):
         if constraint.is_terminated():
             break
-        token = int(masked(row, masks[-1]).argmax())
+        allowed_logits = masked(row, masks[-1])
+        token = int(allowed_logits.argmax()) if choose is None else choose(j, allowed_logits)
         if not constraint.accept(token):
             raise RequestError(f"the output constraint rejected token {token} it allowed")
         drafts.append(token)

@@ -11,7 +11,7 @@ stores nothing.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
@@ -22,6 +22,18 @@ from .kv.manager import KVManager
 from .kv.pool import KVPool
 from .models.dflash import DFlashDraftModel
 from .models.qwen3 import CausalLM
+from .sampler import top1
+
+
+class Proposal(NamedTuple):
+    """A drafter forward's drafts for N verify items, D positions each."""
+
+    logits: torch.Tensor                # [N, D, V] float32
+    hidden: torch.Tensor | None         # [N, D, H] after the final norm (a DFlash2 selector's)
+    drafts: list[list[int]]             # [N][D]
+    confidence: list[list[float]] | None  # [N][D] the drafter's probability of each, if asked
+    q: list[tuple[torch.Tensor, torch.Tensor] | None]  # per item: sampled drafts' distribution
+                                        # (BatchItem.q), None where chosen for certain
 
 
 class DraftContext(Protocol):
@@ -71,12 +83,56 @@ class DrafterRunner:
                                           self.pool.v[layer])
 
     @torch.inference_mode()
-    def draft(self, items: list[BatchItem], block_size: int, drafts: int) -> torch.Tensor:
+    def propose(self, items: list[BatchItem], block_size: int, drafts: int,
+                confidence: bool = False) -> Proposal:
+        """`draft`, then each item's drafts: the argmax of each position (DFlash), or the
+        candidate selector's walk (DFlash2: greedy where the request is greedy or constrained,
+        else drawn with the request's generator, with q). confidence: also the drafter's
+        probability of each draft (its softmax there; DFlash2: over the walk's candidates)."""
+        logits, hidden = self.draft(items, block_size, drafts)
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            tokens, probs = top1(logits, with_prob=confidence)
+            return Proposal(logits, hidden, tokens, probs, [None] * len(items))
+        assert hidden is not None
+        sampled = [not item.seq.params.greedy and item.seq.constraint is None for item in items]
+        uniforms = torch.zeros(len(items), drafts, device=logits.device)
+        for i, item in enumerate(items):
+            if sampled[i]:
+                uniforms[i] = torch.rand(drafts, generator=item.seq.generator,
+                                         device=logits.device)
+        temperature = torch.tensor([item.seq.params.temperature if s else 0.0
+                                    for item, s in zip(items, sampled)], device=logits.device)
+        walk = selector.walk(hidden, logits, self.anchors(items), temperature, uniforms)
+        q = [(walk.q[i], walk.candidates[i]) if s else None for i, s in enumerate(sampled)]
+        return Proposal(logits, hidden, walk.tokens.tolist(),
+                        walk.confidence.tolist() if confidence else None, q)
+
+    def chooser(self, proposal: Proposal, i: int, anchor: int
+                ) -> Callable[[int, torch.Tensor], int] | None:
+        """How item i's drafts are chosen under a grammar (engine.constraint.propose): None for
+        the masked argmax, a DFlash2 drafter's greedy walk over the allowed candidates."""
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            return None
+        assert proposal.hidden is not None
+        return selector.chooser(proposal.hidden[i], proposal.logits[i], anchor)
+
+    def anchors(self, items: list[BatchItem]) -> torch.Tensor:
+        """[N] each item's last committed token (its block's first)."""
+        return torch.tensor([item.seq.token_slice(item.seq.computed, item.seq.computed + 1)[0]
+                             for item in items], device=self.device)
+
+    @torch.inference_mode()
+    def draft(self, items: list[BatchItem], block_size: int, drafts: int
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One drafter forward for the verify items: block [anchor, MASK x (B-1)] at positions
         start .. start+B-1 over each sequence's cached drafter context. Returns the drafter's logits
         [N, drafts, V] for the first `drafts` (<= B-1) draft positions: the head, and with the
         CPU kernels the drafter's last layer, run only on the positions some item verifies
-        (with the CPU kernels the head is part of the drafter's forward)."""
+        (with the CPU kernels the head is part of the drafter's forward); and their hidden
+        states [N, drafts, H] after the final norm (None where the fast path's forward gives
+        logits only)."""
         cfg = self.drafter.config
         ids, positions, page_tables, ctx_lens = [], [], [], []
         for item in items:
@@ -96,11 +152,12 @@ class DrafterRunner:
         if self.forward is not None:
             out = self.forward(block_ids, pos, self.forward.attention(*meta), wanted)
             if self.forward.returns_logits:
-                return out.view(len(items), drafts, -1)
+                return out.view(len(items), drafts, -1), None
             hidden = out
         else:
             attn = PagedDraftAttention.build(*meta)
             hidden = self.drafter(self.drafter.embed_block(self.model, block_ids), pos, attn,
                                   block_size=block_size)
             hidden = hidden.index_select(0, wanted)
-        return self.drafter.logits(self.model, hidden.view(len(items), drafts, -1))
+        hidden = hidden.view(len(items), drafts, -1)
+        return self.drafter.logits(self.model, hidden), hidden

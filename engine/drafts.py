@@ -5,8 +5,9 @@ a judged step of its drafts (`record`). Three exist:
 - `PredictionDrafts`: the caller's Predicted Output, from where the output has reached in it;
 - `ContextDrafts`: what followed the last tokens where they occurred before in the request's
   own context (engine.lookup), chosen by the policy where they pay;
-- `DrafterDrafts`: the DFlash drafter, one forward for every item's block, the verify length
-  cut to the drafts the drafter is confident enough of under speculation="auto".
+- `DrafterDrafts`: the DFlash drafter, one forward for every item's block (its drafts: each
+  position's argmax, or a DFlash2 selector's walk), the verify length cut to the drafts the
+  drafter is confident enough of under speculation="auto".
 Under a grammar each draft is checked against it (engine.constraint): a source's drafts stop
 where the grammar would refuse one, and each verify row gets the grammar's mask.
 
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 from .constraint import follow, propose
 from .errors import RequestError
-from .sampler import top1
 from .spec import Verdict
 
 if TYPE_CHECKING:
@@ -139,10 +139,10 @@ class DrafterDrafts:
         block = policy.block_size
         rows = max(item.planned for item in items) - 1
         t0 = time.perf_counter()
-        logits = self.runner.draft(items, block, rows)
-        # the drafts, and the drafter's probability of each (its softmax there) where step
-        # costs choose how many to verify
-        drafts, confidence = top1(logits, with_prob=policy.auto)
+        # the drafts, and the drafter's probability of each where step costs choose how many
+        # to verify
+        proposal = self.runner.propose(items, block, rows, confidence=policy.auto)
+        drafts, confidence = proposal.drafts, proposal.confidence
         seconds = time.perf_counter() - t0
         cost = policy.cost_at(decoding, items[0].seq.num_tokens) if policy.auto else None
         self.accounting.drafted(items, seconds,
@@ -159,10 +159,14 @@ class DrafterDrafts:
             constraint = item.seq.constraint
             if constraint is None:
                 item.draft = drafts[i][:n]
+                q = proposal.q[i]
+                item.q = None if q is None else (q[0][:n], q[1][:n])
                 continue
             t_grammar = time.perf_counter()
             try:
-                item.draft, item.masks = propose(constraint, logits[i, :n].float())
+                anchor = item.seq.token_slice(item.start, item.start + 1)[0]
+                item.draft, item.masks = propose(constraint, proposal.logits[i, :n].float(),
+                                                 self.runner.chooser(proposal, i, anchor))
             except RequestError as e:
                 failed.append((item, e))
                 continue

@@ -320,7 +320,8 @@ class Engine:
                     updates.append(self._fail(seq, e))
                     continue
             draft = (item.draft or []) if item.verifies else []
-            judged.append((item, Rows(row, draft, seq.params, seq.generator)))
+            judged.append((item, Rows(row, draft, seq.params, seq.generator,
+                                      item.q if item.verifies else None)))
         return logits, judged
 
     def _mask(self, item: BatchItem, logits: torch.Tensor) -> None:

@@ -6,8 +6,10 @@ comes from the row after the last accepted draft. A plain decode row is a block 
 
 - Greedy: accept the longest prefix with d_{k+1} == argmax(row k); bonus = argmax of the next row.
   The committed tokens are exactly what greedy autoregressive decoding would produce.
-- Sampling: drafts are one-hot proposals, so the exact rule accepts d with probability p(d) and,
-  on rejection, samples from p with d's mass removed (renormalised); after a fully accepted block
+- Sampling: a draft chosen for certain (a one-hot proposal) is accepted with probability p(d)
+  and, on rejection, the bonus is sampled from p with d's mass removed (renormalised); a draft
+  drawn from a distribution q (a DFlash2 selector's, `Rows.q`) is accepted with probability
+  min(1, p(d) / q(d)) and the bonus drawn from max(p - q, 0); after a fully accepted block
   the bonus is sampled from the last row. p is the target distribution after temperature, top-k
   and top-p. The committed tokens have exactly the target's sampling distribution.
 
@@ -42,6 +44,7 @@ class Rows(NamedTuple):
     drafts: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    q: tuple[torch.Tensor, torch.Tensor] | None = None  # the drafts' distribution (BatchItem.q)
 
 
 def judge(logits: torch.Tensor, batch: list[Rows]) -> list[Verdict]:
@@ -76,10 +79,32 @@ def judge(logits: torch.Tensor, batch: list[Rows]) -> list[Verdict]:
         for j, r in enumerate(chosen):
             n = len(r.drafts) + 1
             uniforms[j, :n] = torch.rand(n, generator=r.generator, device=logits.device)
-        out = dispatch.accept_sample(probs, row_start, num_drafts, drafts, uniforms)
+        out = dispatch.accept_sample(probs, row_start, num_drafts, drafts, uniforms,
+                                     *_draft_distributions(chosen, drafts))
         for i, (accepted, bonus) in zip(sampled, out.tolist()):
             verdicts[i] = Verdict(accepted, bonus)
     return verdicts  # type: ignore[return-value]
+
+
+def _draft_distributions(batch: list[Rows], drafts: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor] | tuple[()]:
+    """(q_probs, q_ids) [N, D, K] where some drafts were sampled (a one-hot q for the others),
+    else nothing: kernels.dispatch.accept_sample's one-hot rule."""
+    if all(r.q is None for r in batch):
+        return ()
+    n, width = drafts.shape
+    top = max(r.q[0].shape[1] for r in batch if r.q is not None)
+    q_probs = drafts.new_zeros((n, width, top), dtype=torch.float32)
+    q_ids = drafts.new_zeros((n, width, top))
+    q_probs[:, :, 0] = 1.0
+    q_ids[:, :, 0] = drafts
+    for i, r in enumerate(batch):
+        if r.q is not None:
+            probs, ids = r.q
+            q_probs[i, :len(r.drafts)] = 0.0
+            q_probs[i, :len(r.drafts), :probs.shape[1]] = probs[:len(r.drafts)]
+            q_ids[i, :len(r.drafts), :ids.shape[1]] = ids[:len(r.drafts)]
+    return q_probs, q_ids
 
 
 def _layout(batch: list[Rows], device: torch.device) -> tuple[torch.Tensor, ...]:

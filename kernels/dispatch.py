@@ -91,9 +91,9 @@ def accept_greedy(logits, row_start, num_drafts, drafts):
     return _pick("accept_greedy", logits.device.type)(logits, row_start, num_drafts, drafts)
 
 
-def accept_sample(probs, row_start, num_drafts, drafts, uniforms):
+def accept_sample(probs, row_start, num_drafts, drafts, uniforms, q_probs=None, q_ids=None):
     return _pick("accept_sample", probs.device.type)(
-        probs, row_start, num_drafts, drafts, uniforms
+        probs, row_start, num_drafts, drafts, uniforms, q_probs, q_ids
     )
 
 

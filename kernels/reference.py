@@ -89,25 +89,42 @@ def accept_greedy(logits: torch.Tensor, row_start: torch.Tensor, num_drafts: tor
 
 
 def accept_sample(probs: torch.Tensor, row_start: torch.Tensor, num_drafts: torch.Tensor,
-                  drafts: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """kernels.torch_ops.accept_sample: draft k is accepted when uniforms[n, k] < p_k(d_k); at
-    the first rejection the bonus is drawn from p_k without d_k's mass, after a fully accepted
-    block from the next row, by inversion with uniforms[n, num_drafts[n]]: the first token
-    whose cumulative mass exceeds u times the row's total (never one of mass 0)."""
+                  drafts: torch.Tensor, uniforms: torch.Tensor,
+                  q_probs: torch.Tensor | None = None,
+                  q_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.torch_ops.accept_sample: draft k is accepted when uniforms[n, k] * q_k(d_k) <
+    p_k(d_k) (q_k one-hot without q_probs); at the first rejection the bonus is drawn from
+    max(p_k - q_k, 0) (p_k where that is all zero), after a fully accepted block from the next
+    row, by inversion with uniforms[n, num_drafts[n]]: the first token whose cumulative mass
+    exceeds u times the row's total (never one of mass 0)."""
     probs, row_start, num_drafts, drafts, uniforms = (
         t.cpu() for t in (probs, row_start, num_drafts, drafts, uniforms))
     out = []
     for n in range(drafts.shape[0]):
         start, count = int(row_start[n]), int(num_drafts[n])
+
+        def q_of(k: int) -> dict[int, float]:
+            if q_probs is None:
+                return {int(drafts[n, k]): 1.0}
+            q: dict[int, float] = {}
+            for token, mass in zip(q_ids[n, k].tolist(), q_probs[n, k].double().tolist()):
+                q[token] = q.get(token, 0.0) + mass
+            return q
+
         accepted = 0
         while accepted < count:
             d = int(drafts[n, accepted])
-            if float(uniforms[n, accepted]) >= float(probs[start + accepted, d]):
+            q = q_of(accepted)
+            if float(uniforms[n, accepted]) * q.get(d, 0.0) >= float(probs[start + accepted, d]):
                 break
             accepted += 1
         p = probs[start + accepted].double().clone()
         if accepted < count:
-            p[int(drafts[n, accepted])] = 0.0
+            residual = p.clone()
+            for token, mass in q_of(accepted).items():
+                residual[token] = max(float(residual[token]) - mass, 0.0)
+            if float(residual.sum()) > 0:
+                p = residual
         target = float(uniforms[n, count]) * float(p.sum())
         weights = p.tolist()
         bonus = max(t for t, w in enumerate(weights) if w > 0)  # where rounding leaves u past all

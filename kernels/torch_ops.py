@@ -239,31 +239,47 @@ def accept_sample(
     num_drafts: torch.Tensor,
     drafts: torch.Tensor,
     uniforms: torch.Tensor,
+    q_probs: torch.Tensor | None = None,
+    q_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact speculative sampling for a batch of one-hot drafted blocks, without a host sync.
+    """Exact speculative sampling for a batch of drafted blocks, without a host sync.
 
     probs      [R, V]    float32 target distributions (rows sum to 1); layout as accept_greedy
     uniforms   [N, D+1]  U[0, 1): column k < num_drafts[n] tests draft k, column num_drafts[n]
                          draws the bonus
+    q_probs    [N, D, K] the distribution each draft was drawn from, over the tokens q_ids
+                         [N, D, K] (zero-padded); None: every draft was chosen for certain
+                         (one-hot q)
     returns    [N, 2]    int64 (accepted drafts, bonus token)
 
-    Draft k is accepted when u_k < p_k(d_k). At the first rejection the bonus is drawn from p_k
-    with d_k's mass removed; after a fully accepted block, from the next row. The draw inverts
-    the row's cumulative sum: the first token whose cumulative mass exceeds u * total.
+    Draft k is accepted when u_k * q_k(d_k) < p_k(d_k). At the first rejection the bonus is
+    drawn from max(p_k - q_k, 0) (p_k with d_k's mass removed for a one-hot q; p_k itself where
+    nothing is left); after a fully accepted block, from the next row. The draw inverts the
+    row's cumulative sum: the first token whose cumulative mass exceeds u * total.
     """
     n, width = drafts.shape
     vocab = probs.shape[1]
     rows = _row_positions(row_start, width, probs.shape[0])
     k = torch.arange(width, device=drafts.device)
     p_draft = probs[rows, drafts.clamp(0, vocab - 1)] if width else probs.new_zeros(n, 0)
-    ok = (uniforms[:, :width] < p_draft) & (k < num_drafts[:, None])
+    test = uniforms[:, :width]
+    if q_probs is not None and width:
+        test = test * (q_probs * (q_ids == drafts[..., None])).sum(-1)
+    ok = (test < p_draft) & (k < num_drafts[:, None])
     accepted = ok.long().cumprod(1).sum(1)
     p = probs[row_start + accepted]                                    # [N, V]
     rejected = accepted < num_drafts
     if width:
-        draft = drafts.gather(1, accepted.clamp(max=width - 1)[:, None])
-        removed = rejected[:, None] & (torch.arange(vocab, device=p.device) == draft)
-        p = p.masked_fill(removed, 0.0)
+        at = accepted.clamp(max=width - 1)
+        if q_probs is None:
+            draft = drafts.gather(1, at[:, None])
+            removed = rejected[:, None] & (torch.arange(vocab, device=p.device) == draft)
+            p = p.masked_fill(removed, 0.0)
+        else:
+            items = torch.arange(n, device=p.device)
+            q = q_probs[items, at].to(p.dtype) * rejected[:, None]
+            residual = p.scatter_add(1, q_ids[items, at], -q).clamp_min(0.0)
+            p = torch.where(residual.sum(1, keepdim=True) > 0, residual, p)
     cdf = p.cumsum(1)
     u = uniforms.gather(1, num_drafts[:, None])
     pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]

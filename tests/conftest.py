@@ -240,10 +240,14 @@ def make_dflash_checkpoint(
     seed: int = 0,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    v2: dict[str, int] | None = None,
     **overrides: Any,
 ) -> Path:
     """Write a random DFlash drafter for `target_config` in the published format.
 
+    v2: a DFlash2 drafter instead (architectures ["DFlash2DraftModel"], is_causal false), with
+    these dflash_config fields (conv_kernel_size, conv_group_size, selector_rank,
+    selector_top_k) and its convolution and selector tensors.
     config.json is what z-lab publishes (architectures ["DFlashDraftModel"], model_type qwen3,
     block_size, num_target_layers, dflash_config {mask_token_id, target_layer_ids}); the drafter
     copies the target's layer shapes. Defaults: mask_token_id = vocab - 1, target_layer_ids =
@@ -257,8 +261,11 @@ def make_dflash_checkpoint(
     dflash = {
         "mask_token_id": vocab - 1 if mask_token_id is None else mask_token_id,
         "target_layer_ids": list(range(depth)) if target_layer_ids is None else target_layer_ids,
+        **(v2 or {}),
         **overrides.pop("dflash_config", {}),
     }
+    if v2 is not None:
+        overrides = {"architectures": ["DFlash2DraftModel"], "is_causal": False, **overrides}
     cfg: dict[str, Any] = {
         **{k: v for k, v in t.items() if k != "num_hidden_layers"},
         "architectures": ["DFlashDraftModel"],
@@ -308,6 +315,19 @@ def make_dflash_checkpoint(
         tensors[f"{p}mlp.gate_proj.weight"] = linear(inter, hidden)
         tensors[f"{p}mlp.up_proj.weight"] = linear(inter, hidden)
         tensors[f"{p}mlp.down_proj.weight"] = linear(hidden, inter)
+        if v2 is not None:
+            width, groups = v2["conv_kernel_size"], hidden // v2["conv_group_size"]
+            for conv in ("attention_conv", "mlp_conv"):
+                base = 0.3 * torch.randn(2, width, hidden, generator=g)
+                base[:, 0] += 1.0  # near the identity: activations stay in range
+                tensors[f"{p}{conv}.base_kernel"] = base
+                tensors[f"{p}{conv}.kernel_projection.weight"] = \
+                    0.5 * linear(2 * width * groups, hidden)
+    if v2 is not None:
+        rank = v2["selector_rank"]
+        tensors["candidate_selector.hidden_projection.weight"] = linear(rank, hidden)
+        for book in ("predecessor_codebook", "successor_codebook"):
+            tensors[f"candidate_selector.{book}"] = torch.randn(vocab, rank, generator=g)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from agentflash.cli import main
@@ -51,12 +52,15 @@ def test_errors_are_clear(hf_checkpoint, tmp_path, capsys):
     assert "ContextLengthError" in capsys.readouterr().err
 
 
-def test_generate_with_draft_reports_acceptance_and_trace(tmp_path):
+@pytest.mark.parametrize("v2", [None, dict(conv_kernel_size=2, conv_group_size=16,
+                                            selector_rank=4, selector_top_k=4)],
+                         ids=["dflash", "dflash2"])
+def test_generate_with_draft_reports_acceptance_and_trace(tmp_path, v2):
     from conftest import make_dflash_checkpoint, make_hf_model
 
     hf = make_hf_model("qwen3", vocab_size=16, bos_token_id=None, eos_token_id=None)
     hf.save_pretrained(tmp_path / "t")
-    make_dflash_checkpoint(tmp_path / "d", hf.config, block_size=4)
+    make_dflash_checkpoint(tmp_path / "d", hf.config, block_size=4, v2=v2)
     common = ["generate", "--model", str(tmp_path / "t"), "--prompt-ids", "1,2,3,4,5",
               "--max-new-tokens", "20", "--json"]
     plain = run_cli(*common)

@@ -93,6 +93,23 @@ def test_constrained_greedy_speculative_equals_plain(pair):
         assert engine.stats()["pages_referenced"] == 0
 
 
+def test_a_dflash2_selectors_walk_follows_the_grammar_losslessly(tmp_path):
+    """A DFlash2 drafter under a grammar: its walk takes the best candidate the grammar allows
+    (or the allowed argmax), the output is the plain constrained output."""
+    model, drafter = build(tmp_path, vocab=VOCAB, v2=dict(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=4, selector_top_k=4))
+    params = SamplingParams(max_new_tokens=30)
+    prompts = prompts_for(6, VOCAB, seed=4)
+    lengths = [5, 13, 40, 2, 17, 25]
+    plain, _, _ = run(model, None, prompts, params, lengths)
+    spec, constraints, engine = run(model, drafter, prompts, params, lengths, 6)
+    assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+    assert all(obeys(done.output_ids, n) for done, n in zip(spec, lengths))
+    assert engine.counters.accepted_tokens > 0
+    assert sum(c.rolled_back for c in constraints) > 0
+    assert engine.stats()["pages_referenced"] == 0
+
+
 def test_step_costs_choose_a_constrained_requests_verify_length_too(pair):
     """With step costs ("auto"), a constrained request verifies only the drafts the drafter is
     sure enough of, as an unconstrained one does (the grammar then walks only those), and its

@@ -72,6 +72,14 @@ def test_newer_format_and_qwen3_sliding_semantics() -> None:
     c = DFlashConfig.from_hf({**PUBLISHED, "sliding_window": 64,
                               "layer_types": ["sliding_attention"] * 5})
     assert c.layer_types == ("sliding_attention",) * 5 and c.sliding_window is None
+    v2 = {"mask_token_id": 3, "conv_kernel_size": 4, "conv_group_size": 64, "selector_rank": 32,
+          "selector_top_k": 8}
+    c = DFlashConfig.from_hf({**PUBLISHED, "architectures": ["DFlash2DraftModel"],
+                              "is_causal": False, "dflash_config": v2})
+    assert c.v2 is not None and (c.v2.conv_kernel_size, c.v2.conv_group_size, c.v2.selector_rank,
+                                 c.v2.selector_top_k) == (4, 64, 32, 8)
+    assert c.is_causal is False
+    assert DFlashConfig.from_hf(PUBLISHED).v2 is None
     extras = {"mask_token_id": 1, "input_embedding_scale": 2, "final_logit_softcapping": 0.0}
     c = DFlashConfig.from_hf({**PUBLISHED, "dflash_config": extras, "output_multiplier": 0.5})
     assert (c.input_embedding_scale, c.output_multiplier, c.final_logit_softcapping) == (
@@ -79,7 +87,11 @@ def test_newer_format_and_qwen3_sliding_semantics() -> None:
 
 
 @pytest.mark.parametrize("change, error, match", [
-    ({"architectures": ["DFlash2DraftModel"]}, UnsupportedModelError, "DFlash2DraftModel"),
+    ({"architectures": ["DFlash2DraftModel"]}, CheckpointError,
+     r"lacks dflash_config fields \['conv_kernel_size', 'conv_group_size', 'selector_rank'"),
+    ({"architectures": ["DFlash2DraftModel"], "dflash_config": {
+        "mask_token_id": 3, "conv_kernel_size": 4, "conv_group_size": 64, "selector_rank": 8,
+        "selector_top_k": 0}}, CheckpointError, "selector_top_k"),
     ({"architectures": ["Qwen3ForCausalLM"]}, UnsupportedModelError, "not a DFlash drafter"),
     ({"dflash_config": {"target_layer_ids": [1]}}, CheckpointError, "mask_token_id"),
     ({"dflash_config": {"mask_token_id": 3}, "num_target_layers": None}, CheckpointError,

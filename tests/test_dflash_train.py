@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,15 @@ from agentflash.engine.attention import DenseCausal
 from agentflash.engine.config import RopeConfig
 from agentflash.engine.models import CausalLM, load_model
 from agentflash.engine.models.dflash import DFlashConfig, DFlashDraftModel, LayerKind, load_drafter
+from agentflash.engine.models.dflash_config import DFlash2Extras
 from agentflash.engine.engine import Engine
 from agentflash.engine.sampler import SamplingParams
 from agentflash.training.data import Example, read_jsonl
 from agentflash.training.dflash import (TrainConfig, TrainLog, anchor_block_mask, build_batch,
                                         decode_walk, default_gamma, draft_hidden, evaluate,
                                         position_weights, train)
-from agentflash.training.drafter_checkpoint import drafter_config_json, init_drafter, save_drafter
+from agentflash.training.drafter_checkpoint import (drafter_config_json, grow_to_v2, init_drafter,
+                                                   save_drafter)
 from agentflash.training.regenerate import prompts_of, regenerate
 from agentflash.kernels import torch_ops
 from conftest import make_dflash_checkpoint, make_hf_model, save_hf_model
@@ -176,6 +179,10 @@ def test_config_json_round_trips_every_field() -> None:
     )
     cfg = json.loads(json.dumps(drafter_config_json(config, torch.bfloat16)))
     assert DFlashConfig.from_hf(cfg) == config
+    v2 = replace(config, v2=DFlash2Extras(conv_kernel_size=4, conv_group_size=8,
+                                          selector_rank=16, selector_top_k=6))
+    cfg = json.loads(json.dumps(drafter_config_json(v2, torch.bfloat16)))
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and DFlashConfig.from_hf(cfg) == v2
 
 
 def test_loss_weights_follow_the_recipe() -> None:
@@ -315,3 +322,38 @@ def test_cli_trains_a_loadable_drafter(tmp_path: Path) -> None:
     first, cont = (load_file(tmp_path / d / "model.safetensors") for d in ("d", "d3"))
     assert first.keys() == cont.keys()
     assert all(torch.allclose(first[k], cont[k]) for k in first)
+
+
+def test_a_dflash2_drafter_grown_from_a_dflash_one_drafts_alike_then_trains_as_it_serves(
+        tiny: tuple[CausalLM, list[Example]], tmp_path: Path) -> None:
+    """grow_to_v2 starts from the DFlash drafter's drafts; trained, the DFlash2 drafter's held-out
+    decode tau (its teacher-forced walk over the training forward) is the engine's acceptance
+    length, and it saves and loads in the published format."""
+    model, examples = tiny
+    v1 = init_drafter(model.config, block_size=4, num_layers=1, seed=0)
+    train(model, v1, examples, TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup=0.1))
+    v2 = grow_to_v2(v1, DFlash2Extras(conv_kernel_size=3, conv_group_size=16, selector_rank=8,
+                                      selector_top_k=4))
+    prompts = prompts_of(examples)
+    params = SamplingParams(max_new_tokens=20)
+
+    def drafted(drafter: DFlashDraftModel) -> list[list[list[int]]]:
+        engine = Engine(model, drafter=drafter, speculation="always")
+        ids = [engine.submit(p, params, trace=True) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        return [engine.result(i).counters.drafts for i in ids]
+
+    assert drafted(v2) == drafted(v1)
+    before = evaluate(model, v2, examples)
+    train(model, v2, examples, TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup=0.1))
+    scores = evaluate(model, v2, examples)
+    assert scores.loss < before.loss
+    engine = Engine(model, drafter=v2, speculation="always")
+    done = engine.generate(prompts, params)
+    lengths = [n for c in done for n in c.counters.acceptance_lengths]
+    assert scores.decode_tau == pytest.approx(sum(lengths) / len(lengths))
+    path = save_drafter(v2, tmp_path / "v2")
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    loaded = load_drafter(path, model)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in v2.state_dict().items())

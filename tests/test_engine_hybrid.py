@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +27,7 @@ from agentflash.engine.sampler import SamplingParams, target_probs
 from agentflash.engine.states import LinearStates
 from agentflash.kernels import cpu_ops
 from test_qwen3_5 import TEXT, make_hf, save_conditional
-from test_spec import chi_square_pvalue
+from test_spec import chi_square_pvalue, sampled_outputs
 from conftest import assert_rows_independent
 from skips import EMULATED_BF16_WITH_KERNELS
 
@@ -306,8 +305,14 @@ QWEN3_6_STYLE = dict(  # as z-lab's Qwen3.6 drafters: YaRN rope, a sliding-windo
     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
 
 
-@pytest.mark.parametrize("style, blocks", [({}, range(2, 17)), (QWEN3_6_STYLE, (2, 5, 16))],
-                         ids=["qwen3.5-drafter", "qwen3.6-drafter"])
+DFLASH2_STYLE = dict(  # a DFlash2 drafter: convolutions, a selector, a window shorter than prompts
+    layer_types=["sliding_attention"] * 2, sliding_window=8,
+    v2=dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4))
+
+
+@pytest.mark.parametrize("style, blocks", [({}, range(2, 17)), (QWEN3_6_STYLE, (2, 5, 16)),
+                                           (DFLASH2_STYLE, (2, 8, 16))],
+                         ids=["qwen3.5-drafter", "qwen3.6-drafter", "dflash2-drafter"])
 def test_greedy_dflash_on_a_hybrid_target_equals_plain_at_every_block_size(
     dflash_checkpoint: Callable[..., Path], tmp_path: Path, style: dict, blocks: range,
 ) -> None:
@@ -321,7 +326,8 @@ def test_greedy_dflash_on_a_hybrid_target_equals_plain_at_every_block_size(
     drafter = load_drafter(dflash_checkpoint(hf.config, target_layer_ids=[1, 3], block_size=16,
                                              **style), model)
     if style:
-        assert drafter.config.rope.rope_type == "yarn" and drafter.layer_kind(0).window == 8
+        assert drafter.layer_kind(0).window == 8
+        assert drafter.config.rope.rope_type == "yarn" or drafter.config.v2 is not None
     rng = random.Random(4)
     prompts = [[rng.randrange(6) for _ in range(rng.randint(3, 30))] for _ in range(5)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -429,12 +435,8 @@ def test_dflash_sampling_on_a_hybrid_target_keeps_its_distribution(
     params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
     engine = Engine(model, cache=CacheConfig(page_size=4, num_pages=2048), drafter=drafter,
                     scheduler=SchedulerConfig(max_running=128), speculation="always")
-    total, counts = 3000, Counter()
-    for start in range(0, total, 500):
-        seeded = [SamplingParams(**{**params.__dict__, "seed": s})
-                  for s in range(start, start + 500)]
-        for c in engine.generate([prompt] * 500, seeded):
-            counts[tuple(c.output_ids)] += 1
+    total = 3000
+    counts = sampled_outputs(engine, prompt, params, total)
     c = engine.counters
     assert 0 < c.accepted_tokens < c.draft_tokens
     assert chi_square_pvalue(counts, hf_joint(hf, prompt, params, 3), total) > 1e-3

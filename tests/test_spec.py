@@ -110,9 +110,16 @@ def test_speculation_can_be_turned_off_per_request(pair):
     assert all(c.counters.acceptance_lengths == [] for c in off)
 
 
-def test_warm_drafter_state_across_turns(pair):
+@pytest.fixture(scope="module")
+def pair_v2(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("spec2"), v2=dict(
+        conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4))
+
+
+@pytest.mark.parametrize("version", ["pair", "pair_v2"], ids=["dflash", "dflash2"])
+def test_warm_drafter_state_across_turns(request, version):
     """Turn 2 (after a tool result) drafts from cached context: only new positions computed."""
-    model, drafter = pair
+    model, drafter = request.getfixturevalue(version)
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4),
                     speculation="always")
     turn1 = prompts_for(1, 16, seed=5, hi=30)[0]
@@ -155,6 +162,18 @@ def exact_joint(model, prompt: list[int], params: SamplingParams, n: int) -> dic
     return dist
 
 
+def sampled_outputs(engine: Engine, prompt: list[int], params: SamplingParams, total: int
+                    ) -> Counter:
+    """How often each output comes out of `total` requests for `prompt`, seeded 0 .. total-1."""
+    counts: Counter = Counter()
+    for start in range(0, total, 500):
+        seeded = [SamplingParams(**{**params.__dict__, "seed": s})
+                  for s in range(start, min(start + 500, total))]
+        for c in engine.generate([prompt] * len(seeded), seeded):
+            counts[tuple(c.output_ids)] += 1
+    return counts
+
+
 def chi_square_pvalue(counts: Counter, expected: dict[tuple, float], total: int) -> float:
     stat, df, other_obs, other_exp = 0.0, -1, 0, 0.0
     for key, p in expected.items():
@@ -184,22 +203,23 @@ FREE = StepCost((0.0,) * 3, (1.0,) * 3)  # verifying costs nothing: drafts of ei
 def test_speculative_sampling_matches_target_distribution(tmp_path, params, cost):
     model, drafter = build(tmp_path, vocab=5, seed=2)
     prompt = [1, 3, 0, 2]
-    expected = exact_joint(model, prompt, params, params.max_new_tokens)
     engine = Engine(model, CacheConfig(4, 4096), SchedulerConfig(max_running=128),
                     drafter=drafter, spec=SpecConfig(3, cost=cost),
                     speculation="always" if cost is None else "auto")
-    total, counts = 4000, Counter()
-    for start in range(0, total, 500):
-        seeded = [SamplingParams(**{**params.__dict__, "seed": s})
-                  for s in range(start, start + 500)]
-        for c in engine.generate([prompt] * 500, seeded):
-            counts[tuple(c.output_ids)] += 1
+    assert_target_distribution(engine, model, prompt, params)
     assert engine.counters.accepted_tokens > 0 and engine.counters.draft_forwards > 0
     if cost is not None:
         assert engine.counters.lookup_accepted > 0
+
+
+def assert_target_distribution(engine: Engine, model, prompt: list[int], params: SamplingParams,
+                               total: int = 4000) -> None:
+    """The engine's sampled outputs for `prompt` have the target's joint distribution
+    (chi-square), and the test has power: the same samples are rejected against a sharper one."""
+    counts = sampled_outputs(engine, prompt, params, total)
+    expected = exact_joint(model, prompt, params, params.max_new_tokens)
     assert set(counts) <= set(expected), "sampled a token the distribution excludes"
     assert chi_square_pvalue(counts, expected, total) > 1e-3
-    # the test has power: the same samples are rejected against a sharper target distribution
     sharper = SamplingParams(**{**params.__dict__, "temperature": params.temperature * 0.5})
     assert chi_square_pvalue(counts, exact_joint(model, prompt, sharper, params.max_new_tokens),
                              total) < 1e-3

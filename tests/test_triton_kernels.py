@@ -181,6 +181,37 @@ def test_accept_sample_matches_reference(n, width, vocab) -> None:
             assert bonus != int(drafts[i, a])
 
 
+@pytest.mark.parametrize("n,width,vocab", ACCEPT_CASES)
+def test_accept_sample_with_a_draft_distribution_matches_reference(n, width, vocab) -> None:
+    """Drafts drawn from q over K candidates (a DFlash2 selector): the Triton kernel and the torch
+    ops = the float64 oracle, and a one-hot q gives what no q gives."""
+    g = torch.Generator().manual_seed(vocab + 2)
+    start, num = ragged_blocks(g, n, width)
+    rows = int((num + 1).sum())
+    draws = torch.randint(0, vocab, (rows, 4096), generator=g)
+    probs = torch.stack([torch.bincount(d, minlength=vocab) for d in draws]).float() / 4096
+    top = min(3, vocab)
+    q_ids = torch.stack([torch.randperm(vocab, generator=g)[:top]
+                         for _ in range(n * max(width, 1))]).view(n, max(width, 1), top)[:, :width]
+    # dyadic too (k / 64): p - q and every partial sum are exact, as in the test above
+    cuts = torch.sort(torch.randint(1, 64, (*q_ids.shape[:2], top - 1), generator=g), -1).values
+    edges = torch.cat([torch.zeros(*q_ids.shape[:2], 1), cuts.float(),
+                       torch.full((*q_ids.shape[:2], 1), 64.0)], -1)
+    q_probs = (edges[..., 1:] - edges[..., :-1]) / 64
+    pick = torch.multinomial(q_probs.reshape(-1, top), 1, generator=g).view(n, width)
+    drafts = q_ids.gather(2, pick[..., None])[..., 0]
+    uniforms = torch.rand(n, width + 1, generator=g)
+    args = [t.to(DEVICE) for t in (probs, start, num, drafts, uniforms)]
+    q = [t.to(DEVICE) for t in (q_probs, q_ids)]
+    want = reference.accept_sample(*args, *q)
+    for impl in (triton_accept.accept_sample, torch_ops.accept_sample):
+        assert torch.equal(impl(*args, *q).cpu(), want)
+        one_hot = [torch.ones(n, width, 1).to(DEVICE), drafts[..., None].to(DEVICE)]
+        assert torch.equal(impl(*args, *one_hot).cpu(), reference.accept_sample(*args))
+    if width:  # q changes verdicts: one-hot drafts are rejected more often
+        assert not torch.equal(want, reference.accept_sample(*args))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [True, False], ids=["k_norm", "no_norm"])
 def test_store_context_kv_matches_reference(dtype, norm) -> None:

@@ -105,8 +105,8 @@ def anchors(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[
     n = engine.block_size - 1
     while engine.has_work():
         if seq.output_ids and not seq.prefilling and seq.finish_reason is None:
-            logits = engine.runner.drafter.draft([BatchItem(seq, n + 1)], engine.block_size, n)
-            blocks[len(seq.output_ids)] = logits[0].argmax(-1).tolist()
+            proposal = engine.runner.drafter.propose([BatchItem(seq, n + 1)], engine.block_size, n)
+            blocks[len(seq.output_ids)] = proposal.drafts[0]
         engine.step()
     out = engine.result(seq_id).output_ids
     accepted = {}

@@ -18,7 +18,9 @@ averaged over anchors) and the accuracy at each block position. The held-out sco
 decode tau: greedy speculative decoding replayed over the held-out responses, the acceptance
 length the engine will see. It is the lower one (a decode spends most of its steps where the
 drafter is wrong), and it is the number to compare with `tools/eval_drafter.py`. --init
-continues an earlier drafter, for example on more data. Runs are seeded: the same arguments
+continues an earlier drafter, for example on more data. --dflash2 trains a DFlash2 drafter
+(convolutions and a candidate selector, shared/specs/dflash.md); with --init of a DFlash
+drafter it starts from that drafter's weights, drafting what it drafts (`grow_to_v2`). Runs are seeded: the same arguments
 give the same drafter on the same machine (unless --max-minutes cuts the run short).
 """
 
@@ -36,7 +38,8 @@ from agentflash.engine.models.loader import load_model
 from agentflash.engine.models.qwen3 import CausalLM
 from agentflash.training.data import Example, read_jsonl, write_jsonl
 from agentflash.training.dflash import Scores, TrainConfig, TrainLog, evaluate, train
-from agentflash.training.drafter_checkpoint import init_drafter, save_drafter
+from agentflash.engine.models.dflash_config import DFlash2Extras
+from agentflash.training.drafter_checkpoint import grow_to_v2, init_drafter, save_drafter
 from agentflash.training.regenerate import prompts_of, regenerate
 
 
@@ -59,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init", metavar="DIR",
                    help="continue training this drafter (its shape replaces --block-size, "
                         "--layers, --target-layer-ids and --mask-token-id)")
+    p.add_argument("--dflash2", action="store_true", help="a DFlash2 drafter (see above)")
+    p.add_argument("--conv-kernel-size", type=int, default=4, help="DFlash2 convolution width")
+    p.add_argument("--conv-group-size", type=int, default=64,
+                   help="DFlash2: channels sharing one dynamic weight")
+    p.add_argument("--selector-rank", type=int, default=64, help="DFlash2 pair-score rank")
+    p.add_argument("--selector-top-k", type=int, default=8, help="DFlash2 candidates per position")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=1, help="drafter depth")
     p.add_argument("--target-layer-ids", help="comma list (default: the spec's spread)")
@@ -114,11 +123,17 @@ def main(argv: list[str] | None = None) -> None:
     layer_ids = None
     if args.target_layer_ids:
         layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
+    extras = None
+    if args.dflash2:
+        extras = DFlash2Extras(args.conv_kernel_size, args.conv_group_size, args.selector_rank,
+                               args.selector_top_k)
     if args.init:
         drafter = load_drafter(args.init, target, dtype=torch.float32)
+        if extras is not None and drafter.config.v2 is None:
+            drafter = grow_to_v2(drafter, extras, args.seed)
     else:
         drafter = init_drafter(target.config, args.block_size, args.layers, layer_ids,
-                               args.mask_token_id, args.seed).to(device)
+                               args.mask_token_id, args.seed, extras).to(device)
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, max_anchors=args.anchors, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,

@@ -15,6 +15,9 @@ One step over a batch of sequences:
    block: what serving computes (`kernels.torch_ops.draft_attention` over the cached context).
 4. `block_loss`: cross-entropy of block position k = 1..B-1 against the token at a+k, where that is
    in range and a response token, weighted exp(-(k-1)/gamma); the weighted mean is the loss.
+   A DFlash2 drafter adds its selector's: at each position, the cross-entropy over the top-K
+   candidates' scores given the true token before it (where the label is among them), which
+   is what the greedy walk meets while its drafts are right; its hits are the walk's.
 
 A fresh drafter and its published checkpoint format: agentflash.training.drafter_checkpoint.
 """
@@ -193,7 +196,9 @@ def draft_hidden(target: CausalLM, drafter: DFlashDraftModel, batch: AnchorBatch
         kv, batch, [drafter.layer_kind(i) for i in layers], drafter.attention_scale
     )
     ids = batch.block_ids
-    h = drafter(drafter.embed_block(target, ids.flatten()), batch.block_positions.flatten(), attn)
+    block = None if drafter.config.v2 is None else ids.shape[1]  # DFlash2: convolved per block
+    h = drafter(drafter.embed_block(target, ids.flatten()), batch.block_positions.flatten(), attn,
+                block_size=block)
     return h.view(*ids.shape, -1)
 
 
@@ -225,13 +230,28 @@ def block_loss(
 ) -> LossOutput:
     """Position-weighted cross-entropy of the blocks' drafts (logits only where labels count)."""
     counted = batch.label_mask
-    logits = drafter.logits(target, hidden[:, 1:][counted])       # [n, V] float32
+    rows = hidden[:, 1:][counted]
+    logits = drafter.logits(target, rows)                          # [n, V] float32
     labels = batch.labels[counted]
     w = weights.to(logits.device).expand_as(counted)[counted]
     loss = (F.cross_entropy(logits, labels, reduction="none") * w).sum() / w.sum()
+    chosen = logits.argmax(-1)
+    selector = drafter.candidate_selector
+    if selector is not None:
+        previous = torch.cat([batch.block_ids[:, :1], batch.labels[:, :-1]], 1)[counted]
+        unary, candidates, projected = selector.candidates(rows, logits)
+        scores = unary + torch.einsum("nr,nkr->nk", selector.predecessor_codebook[previous]
+                                      * projected, selector.successor_codebook[candidates])
+        found = candidates == labels[:, None]
+        inside = found.any(1)
+        if bool(inside.any()):
+            picked = F.cross_entropy(scores[inside], found[inside].float().argmax(1),
+                                     reduction="none")
+            loss = loss + (picked * w[inside]).sum() / w.sum()
+        chosen = candidates.gather(1, scores.argmax(1, keepdim=True))[:, 0]
     with torch.no_grad():
         hits = torch.zeros_like(counted)
-        hits[counted] = logits.argmax(-1) == labels
+        hits[counted] = chosen == labels
         leading = hits.long().cumprod(1).sum(1)
         accepted = leading[counted.all(1)]
     return LossOutput(loss, hits.sum(0), counted.sum(0), accepted, leading)

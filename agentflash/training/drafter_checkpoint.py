@@ -1,10 +1,11 @@
-"""A fresh DFlash drafter for a target (`init_drafter`) and the published checkpoint format it is
-written in (`save_drafter`, `drafter_config_json`), which `load_drafter` reads back unchanged."""
+"""A fresh DFlash drafter for a target (`init_drafter`), a DFlash2 drafter grown from a DFlash one
+(`grow_to_v2`), and the published checkpoint format they are written in (`save_drafter`,
+`drafter_config_json`), which `load_drafter` reads back unchanged."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -14,7 +15,9 @@ from safetensors.torch import save_file
 from ..engine.config import ModelConfig
 from ..engine.models.checkpoint import DTYPES, WEIGHTS
 from ..engine.models.dflash import DFlashDraftModel
-from ..engine.models.dflash_config import (ARCHITECTURE, DFlashConfig, check_compatible,
+from ..engine.models.dflash2 import GroupedDynamicConv
+from ..engine.models.dflash_config import (ARCHITECTURE, ARCHITECTURE_V2, DFlash2Extras,
+                                           DFlashConfig, check_compatible,
                                            default_target_layer_ids)
 from ..engine.models.loader import unfused_sources
 
@@ -24,11 +27,12 @@ INIT_STD = 0.02                      # transformers' initializer_range for Qwen3
 def init_drafter(
     target: ModelConfig, block_size: int = 16, num_layers: int = 1,
     target_layer_ids: Sequence[int] | None = None, mask_token_id: int | None = None,
-    seed: int = 0,
+    seed: int = 0, v2: DFlash2Extras | None = None,
 ) -> DFlashDraftModel:
     """A fresh float32 drafter (CPU) for a target: the target's layer shapes, rope and vocabulary;
     the spec's default target layers (clamped) and MASK = vocab - 1 unless given; linear
-    weights N(0, 0.02) and norms 1, as transformers initialises Qwen3."""
+    weights N(0, 0.02) and norms 1, as transformers initialises Qwen3. v2: a DFlash2 drafter,
+    its convolutions starting as the identity (`_start_v2`)."""
     depth = target.num_hidden_layers
     config = DFlashConfig(
         block_size=block_size,
@@ -46,6 +50,7 @@ def init_drafter(
         attention_bias=target.attention_bias,
         rope=target.rope,
         max_position_embeddings=target.max_position_embeddings,
+        v2=v2,
     )
     check_compatible(config, target)
     with torch.device("meta"):
@@ -60,8 +65,41 @@ def init_drafter(
                 param.zero_()
             else:
                 param.normal_(0.0, INIT_STD, generator=generator)
+        _start_v2(model)
     model.rotary.build("cpu")
     return model
+
+
+def grow_to_v2(drafter: DFlashDraftModel, extras: DFlash2Extras, seed: int = 0
+               ) -> DFlashDraftModel:
+    """A float32 DFlash2 drafter (on the drafter's device) holding a DFlash drafter's weights,
+    with convolutions that start as the identity and a selector whose pair term starts near
+    zero: it drafts what the DFlash drafter drafts until training moves it."""
+    if drafter.config.v2 is not None:
+        raise ValueError("the drafter is a DFlash2 drafter already")
+    with torch.device("meta"):
+        model = DFlashDraftModel(replace(drafter.config, v2=extras))
+    model.to_empty(device=drafter.device)
+    generator = torch.Generator().manual_seed(seed)
+    own = drafter.state_dict()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in own:
+                param.copy_(own[name])
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+        _start_v2(model)
+    model.rotary.build(drafter.device)
+    return model.float()
+
+
+def _start_v2(model: DFlashDraftModel) -> None:
+    """Each convolution the identity (base kernel 1 at offset 0, no dynamic part)."""
+    for module in model.modules():
+        if isinstance(module, GroupedDynamicConv):
+            module.base_kernel.zero_()
+            module.base_kernel[:, 0] = 1.0
+            module.kernel_projection.weight.zero_()
 
 
 def _default_layer_ids(depth: int, num_layers: int) -> list[int]:
@@ -78,12 +116,14 @@ def drafter_config_json(config: DFlashConfig, dtype: torch.dtype) -> dict[str, A
     extras = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
               "final_logit_softcapping": None}
     dflash.update({k: getattr(config, k) for k, v in extras.items() if getattr(config, k) != v})
+    if config.v2 is not None:
+        dflash.update(asdict(config.v2))
     scaling = None
     if rope.rope_type != "default":
         scaling = {f.name: getattr(rope, f.name) for f in fields(rope)
                    if f.name != "theta" and getattr(rope, f.name) is not None}
     cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
+        "architectures": [ARCHITECTURE if config.v2 is None else ARCHITECTURE_V2],
         "model_type": "qwen3",
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,

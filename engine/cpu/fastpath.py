@@ -285,8 +285,8 @@ def _forwards(model: CausalLM, drafter: DFlashDraftModel | None, compile: bool,
     kernels = _cpu_bf16(model) and compiled_step.use_kernels(model)
     if decode is None and kernels:
         decode = DecodeForward.eager(model, drafter, page_size)
-    if decode is None or drafter is None:
-        return decode, None
+    if decode is None or drafter is None or drafter.config.v2 is not None:
+        return decode, None  # a DFlash2 drafter's block forward runs eager (its convolutions)
     if compiles:
         draft = _try(lambda: CompiledDraft.build(model, drafter, block_size, page_size),
                      "drafter forward")

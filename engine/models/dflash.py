@@ -16,7 +16,9 @@ One draft step for N sequences (spec: shared/specs/dflash.md), tokens flattened 
    the target's head (or the drafter's own copy of it, `head`: engine.cpu.fastpath's int8 one).
 
 The layers are the target's Qwen3 `DecoderLayer` (pre-norm, q/k RMSNorm, RoPE): a block token's
-computation is exactly a target layer's. Parameter names are the checkpoint's (no `model.`
+computation is exactly a target layer's. A DFlash2 drafter (`config.v2`) has `DFlash2Layer`s,
+which convolve each sublayer's input and output over the block, and a `candidate_selector` that
+chooses the drafts from the logits (engine.models.dflash2). Parameter names are the checkpoint's (no `model.`
 prefix) except the fused `qkv_proj` and `gate_up_proj`, which the loader concatenates.
 """
 
@@ -33,6 +35,7 @@ from agentflash.kernels import dispatch
 from ..attention import AttentionBackend
 from ..config import read_config_json
 from ..errors import CheckpointError
+from .dflash2 import CandidateSelector, DFlash2Layer
 from .dflash_config import DFlashConfig, check_compatible, default_target_layer_ids
 from .layers import RMSNorm
 from .checkpoint import assemble_state, load_dtype, read_safetensors_dir
@@ -67,10 +70,13 @@ class DFlashDraftModel(nn.Module):
         self.attention_scale = config.head_dim**-0.5
         self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        decoder = config.decoder
+        decoder, v2 = config.decoder, config.v2
         self.layers = nn.ModuleList(
-            DecoderLayer(decoder, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(decoder, i) if v2 is None else DFlash2Layer(decoder, i, v2)
+            for i in range(config.num_hidden_layers)
         )
+        self.candidate_selector = (
+            None if v2 is None else CandidateSelector(hidden, config.vocab_size, v2))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         # Inference transformations that cannot slice qkv_proj's weight (packed weights) give
@@ -177,9 +183,18 @@ class DFlashDraftModel(nn.Module):
         `block_input_ids` makes them. Every mask token then enters the first layer with the
         same input, which only RoPE sets apart, so that layer normalises and projects the N
         anchors and one mask token (`distinct_rows`) instead of N*B tokens: the same numbers
-        where the linears compute each row alone (the CPU kernels)."""
+        where the linears compute each row alone (the CPU kernels).
+
+        A DFlash2 drafter needs `block_size` (its convolutions run over each block) and
+        computes every row, then keeps `rows`."""
         h = block_hidden
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        if self.config.v2 is not None:
+            if block_size is None:
+                raise ValueError("a DFlash2 drafter's forward needs the block size")
+            for layer in self.layers:
+                h = layer(h, cos, sin, attn, block_size)
+            return self.norm(h if rows is None else h.index_select(0, rows))
         expand = None
         if block_size is not None:
             unique, expand = distinct_rows(h.shape[0] // block_size, block_size, h.device)
@@ -247,7 +262,8 @@ def load_drafter(
     }
     ids = list(config.target_layer_ids)
     why = {"fc.weight": f"hidden_size x {len(ids)} target_layer_ids {ids} * hidden_size"}
-    state = assemble_state(sources, tensors, dtype, device, root, "a DFlash drafter", why=why)
+    kind = "a DFlash drafter" if config.v2 is None else "a DFlash2 drafter"
+    state = assemble_state(sources, tensors, dtype, device, root, kind, why=why)
     model.load_state_dict(state, assign=True)
     model.rotary.build(device)
     return model.eval().requires_grad_(False)

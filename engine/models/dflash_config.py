@@ -2,6 +2,9 @@
 
 A drafter's config.json is a Qwen3 config (`architectures: ["DFlashDraftModel"]`) plus
 `block_size`, `num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids}`.
+A DFlash2 drafter (`architectures: ["DFlash2DraftModel"]`) adds to `dflash_config` its
+convolutions' `conv_kernel_size` and `conv_group_size` and its candidate selector's
+`selector_rank` and `selector_top_k` (`DFlashConfig.v2`).
 As in the reference code, the DFlash values are looked up in `dflash_config` first and at the
 top level second, and the Qwen3 fields keep transformers' `Qwen3Config` semantics: a window
 exists only with `use_sliding_window: true`, and absent `layer_types` mark the layers from
@@ -17,6 +20,7 @@ from ..config import ModelConfig, RopeConfig
 from ..errors import CheckpointError, DrafterMismatchError, UnsupportedModelError
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE_V2 = "DFlash2DraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -30,6 +34,19 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
         int(round(start + i * (end - start) / (num_draft_layers - 1)))
         for i in range(num_draft_layers)
     )
+
+
+@dataclass(frozen=True)
+class DFlash2Extras:
+    """What a DFlash2 drafter adds: a grouped dynamic causal convolution before and after each
+    sublayer (kernel width `conv_kernel_size`, one dynamic weight per `conv_group_size`
+    channels) and a candidate selector (low-rank pair scores of rank `selector_rank` over each
+    position's `selector_top_k` likeliest tokens)."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
 
 
 @dataclass(frozen=True)
@@ -58,6 +75,7 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0  # multiplies the block's token embeddings
     output_multiplier: float = 1.0      # multiplies the logits
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    v2: DFlash2Extras | None = None     # a DFlash2 drafter's extras (None: DFlash)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -86,7 +104,24 @@ class DFlashConfig:
             raise CheckpointError(f"sliding_window must be >= 1 (got {self.sliding_window})")
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
             raise CheckpointError("final_logit_softcapping must be positive (or absent)")
+        if self.v2 is not None:
+            self._check_v2(self.v2)
         _ = self.decoder  # validates the layer shapes
+
+    def _check_v2(self, v2: DFlash2Extras) -> None:
+        if v2.conv_kernel_size < 1:
+            raise CheckpointError(f"conv_kernel_size must be >= 1 (got {v2.conv_kernel_size})")
+        if v2.conv_group_size < 1 or self.hidden_size % v2.conv_group_size:
+            raise CheckpointError(
+                f"conv_group_size {v2.conv_group_size} must divide hidden_size {self.hidden_size}"
+            )
+        if v2.selector_rank < 1:
+            raise CheckpointError(f"selector_rank must be >= 1 (got {v2.selector_rank})")
+        if not 1 <= v2.selector_top_k <= self.vocab_size:
+            raise CheckpointError(
+                f"selector_top_k must be in [1, vocab_size {self.vocab_size}] "
+                f"(got {v2.selector_top_k})"
+            )
 
     @property
     def decoder(self) -> ModelConfig:
@@ -108,7 +143,7 @@ class DFlashConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> DFlashConfig:
-        _check_architecture(cfg)
+        version = _check_architecture(cfg)
         extra = cfg.get("dflash_config") or {}
         if not isinstance(extra, dict):
             raise CheckpointError("config.json: dflash_config must be a JSON object")
@@ -142,6 +177,13 @@ class DFlashConfig:
             ]
             softcap = value("final_logit_softcapping")
             is_causal = cfg.get("is_causal")
+            v2 = None
+            if version == 2:
+                missing = [name for name in V2_FIELDS if value(name) is None]
+                if missing:
+                    raise CheckpointError(f"config.json lacks dflash_config fields {missing} "
+                                          f"that a {ARCHITECTURE_V2} needs")
+                v2 = DFlash2Extras(*(int(value(name)) for name in V2_FIELDS))
             return cls(
                 block_size=int(value("block_size", 16)),
                 mask_token_id=int(value("mask_token_id")),
@@ -167,6 +209,7 @@ class DFlashConfig:
                 final_logit_softcapping=(
                     float(softcap) if softcap is not None and float(softcap) > 0 else None
                 ),
+                v2=v2,
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required field {e.args[0]!r}") from None
@@ -174,18 +217,19 @@ class DFlashConfig:
             raise CheckpointError(f"config.json has an invalid field: {e}") from None
 
 
-def _check_architecture(cfg: dict[str, Any]) -> None:
+V2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def _check_architecture(cfg: dict[str, Any]) -> int:
+    """1 for a DFlash drafter, 2 for a DFlash2 one."""
     archs = cfg.get("architectures") or []
     if ARCHITECTURE in archs:
-        return
-    if "DFlash2DraftModel" in archs:
-        raise UnsupportedModelError(
-            "DFlash2DraftModel (DFlash-2: dynamic convolutions and a candidate selector) is a "
-            f"different drafter architecture and is not supported; only {ARCHITECTURE} is"
-        )
+        return 1
+    if ARCHITECTURE_V2 in archs:
+        return 2
     raise UnsupportedModelError(
         f"{archs or cfg.get('model_type')!r} is not a DFlash drafter: expected "
-        f"architectures [{ARCHITECTURE!r}]"
+        f"architectures [{ARCHITECTURE!r}] or [{ARCHITECTURE_V2!r}]"
     )
 
 
