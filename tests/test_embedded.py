@@ -22,7 +22,10 @@ from agentflash.engine.models.loader import load_model
 from agentflash.engine.cpu.quantized import Int8Linear
 from agentflash.engine.sampler import SamplingParams
 from agentflash.tokenizer import load_tokenizer
-from agentflash.training.drafter_checkpoint import init_drafter
+from agentflash.engine.cpu.forward import ModuleDraftForward
+from agentflash.engine.models.dflash_config import DFlash2Extras
+from agentflash.kernels import cpu_ops
+from agentflash.training.drafter_checkpoint import grow_to_v2, init_drafter
 from skips import CPU_KERNELS, ROW_INVARIANT_BF16
 
 HELDOUT = Path(__file__).parent / "data" / "heldout.jsonl"
@@ -125,6 +128,25 @@ def test_dflash_greedy_equals_plain_and_beats_a_random_drafter(tokenizer, target
     # (docs/embedded-model.md: mean tau 3.6 on the test split; the goal of 4 is not met yet).
     assert random_tau < 1.05
     assert trained > random_tau + 0.3, (trained, random_tau)
+
+
+def test_a_dflash2_drafter_on_the_bfloat16_fast_path_equals_plain(tokenizer, target):
+    """A DFlash2 drafter grown from the shipped one (its convolutions the identity) on the
+    bfloat16 fast path (its module forward on the CPU kernels' attention, int8 linears, where
+    they run): greedy output is plain output, and its drafts are accepted."""
+    fresh = load_drafter(model_drafter_dir(embedded_model_dir()), target, dtype=torch.float32)
+    v2 = grow_to_v2(fresh, DFlash2Extras(conv_kernel_size=4, conv_group_size=64,
+                                         selector_rank=64, selector_top_k=8))
+    target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
+    prompts = [prompt_ids(tokenizer, c) for c in conversations()][:4]
+    plain = run(Engine(target, compile=False), prompts, 48)
+    engine = Engine(target, drafter=v2.to(torch.bfloat16), spec=SpecConfig(16),
+                    speculation="always", compile=False)
+    spec = run(engine, prompts, 48)
+    assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+    assert mean_tau(spec) > 1.5
+    if cpu_ops.available():
+        assert isinstance(engine.runner.drafter.forward, ModuleDraftForward)
 
 
 @ROW_INVARIANT_BF16.mark

@@ -77,7 +77,7 @@ from ..models.qwen3 import CausalLM
 from ..models.qwen3_5 import HybridCausalLM
 from . import compiled as compiled_step
 from .compiled import CompiledDraft, CompiledForward
-from .forward import DecodeForward, DraftForward
+from .forward import DecodeForward, DraftForward, ModuleDraftForward
 from .kernel_linear import KernelLinear, WidenedLinear, swap_linears
 from .packed import PackedLinear, pack_linears, packing_available
 from .quantized import Int8Linear, quantize_drafter_int8, quantize_linears_int8
@@ -285,8 +285,10 @@ def _forwards(model: CausalLM, drafter: DFlashDraftModel | None, compile: bool,
     kernels = _cpu_bf16(model) and compiled_step.use_kernels(model)
     if decode is None and kernels:
         decode = DecodeForward.eager(model, drafter, page_size)
-    if decode is None or drafter is None or drafter.config.v2 is not None:
-        return decode, None  # a DFlash2 drafter's block forward runs eager (its convolutions)
+    if decode is None or drafter is None:
+        return decode, None
+    if drafter.config.v2 is not None:  # DFlash2: its own module forward, the kernels' attention
+        return decode, ModuleDraftForward(model, drafter, block_size) if kernels else None
     if compiles:
         draft = _try(lambda: CompiledDraft.build(model, drafter, block_size, page_size),
                      "drafter forward")

@@ -1,5 +1,6 @@
 """The forward of a step's decode rows and verify blocks, and the DFlash drafter's block
-forward: the modules engine.cpu.compiled exports, and how a step runs them.
+forward: the modules engine.cpu.compiled exports, and how a step runs them (a DFlash2 drafter's
+block forward is its module's own, `ModuleDraftForward`).
 
 A decode/verify forward serves every decode row and verify block of a step (the runner sends
 prefill chunks to the eager model in a forward of their own), so a row's numbers never depend on
@@ -257,3 +258,21 @@ class DraftForward:
         assert self.step is not None
         return self.step(ids, positions, rows, draft_metadata(attn), attn.k_caches,
                          attn.v_caches)
+
+
+class ModuleDraftForward(DraftForward):
+    """A drafter `DraftStep` does not implement (a DFlash2 drafter: its convolutions and
+    selector) runs its own module forward, eager, with the CPU kernels' attention where they take
+    its layers (`KernelDraftAttention.supports`); returns the rows' hidden states."""
+
+    kind = "module"
+
+    def __init__(self, model: CausalLM, drafter: DFlashDraftModel, block_size: int) -> None:
+        super().__init__(KernelDraftAttention.supports(drafter), returns_logits=False)
+        self.model, self.drafter, self.block_size = model, drafter, block_size
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
+                 attn: KernelDraftAttention | PagedDraftAttention,
+                 rows: torch.Tensor) -> torch.Tensor:
+        h = self.drafter.embed_block(self.model, ids)
+        return self.drafter(h, positions, attn, rows=rows, block_size=self.block_size)

@@ -18,6 +18,7 @@ engine.models.dflash.DFlashDraftModel.)
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -121,26 +122,33 @@ class CandidateSelector(nn.Module):
              temperature: torch.Tensor, uniforms: torch.Tensor) -> Walk:
         """Walks from `anchors` [N] over positions' hidden states [N, D, H] and logits [N, D, V].
         Row n takes the best score where temperature[n] == 0, else draws from softmax(score / T)
-        by inversion with uniforms [N, D]."""
+        by inversion with uniforms [N, D]. Every score a walk may need (each candidate after
+        each candidate before it) comes from one batched product; the walk itself reads them
+        on the host, D steps of K numbers."""
         unary, candidates, projected = self.candidates(hidden, logits)
-        previous = anchors
-        greedy = temperature <= 0
-        heat = torch.where(greedy, 1.0, temperature).float()[:, None]
-        tokens, confidence, qs = [], [], []
-        for j in range(logits.shape[1]):
-            scores = unary[:, j] + self.pair_scores(previous, projected[:, j], candidates[:, j])
-            q = torch.softmax(scores / heat, dim=-1)
-            cdf = q.cumsum(-1)
-            drawn = torch.searchsorted(cdf, (uniforms[:, j] * cdf[:, -1])[:, None], right=True)
-            index = torch.where(greedy[:, None], scores.argmax(-1, keepdim=True),
-                                drawn.clamp(max=self.top_k - 1))
-            previous = candidates[:, j].gather(1, index)[:, 0]
-            tokens.append(previous)
-            confidence.append(torch.softmax(scores, -1).gather(1, index)[:, 0])
-            qs.append(torch.where(greedy[:, None], nn.functional.one_hot(
-                index[:, 0], self.top_k).float(), q))
-        return Walk(torch.stack(tokens, 1), torch.stack(confidence, 1), torch.stack(qs, 1),
-                    candidates)
+        n, d, k = unary.shape
+        before = torch.cat([anchors[:, None, None].expand(n, 1, k), candidates[:, :-1]], 1)
+        context = self.predecessor_codebook[before].float() * projected[:, :, None]
+        scores = unary[:, :, None] + torch.einsum(
+            "ndar,ndbr->ndab", context, self.successor_codebook[candidates].float())
+        table, heat, draws = scores.tolist(), temperature.tolist(), uniforms.tolist()
+        picks, confidence, qs = [], [], []
+        for row, t, us in zip(table, heat, draws):
+            at, rows = 0, ([], [], [])
+            for j in range(d):
+                score = row[j][at]
+                top = max(score)
+                weights = [math.exp(x - top) for x in score]
+                at = score.index(top) if t <= 0 else _drawn(score, t, us[j])
+                rows[0].append(at)
+                rows[1].append(weights[at] / sum(weights))
+                rows[2].append(_one_hot(at, k) if t <= 0 else _softmax(score, t))
+            picks.append(rows[0])
+            confidence.append(rows[1])
+            qs.append(rows[2])
+        index = torch.tensor(picks, device=candidates.device).view(n, d, 1)
+        return Walk(candidates.gather(2, index)[..., 0], torch.tensor(confidence).view(n, d),
+                    torch.tensor(qs, device=candidates.device).view(n, d, k), candidates)
 
     def chooser(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int
                 ) -> Callable[[int, torch.Tensor], int]:
@@ -164,3 +172,25 @@ class CandidateSelector(nn.Module):
             return token
 
         return choose
+
+
+def _softmax(scores: list[float], temperature: float) -> list[float]:
+    top = max(scores)
+    weights = [math.exp((x - top) / temperature) for x in scores]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def _drawn(scores: list[float], temperature: float, u: float) -> int:
+    """The candidate softmax(scores / T) draws for the uniform u (inversion)."""
+    q = _softmax(scores, temperature)
+    target, mass = u * sum(q), 0.0
+    for i, weight in enumerate(q):
+        mass += weight
+        if mass > target:
+            return i
+    return max(i for i, weight in enumerate(q) if weight > 0)
+
+
+def _one_hot(index: int, size: int) -> list[float]:
+    return [1.0 if i == index else 0.0 for i in range(size)]
