@@ -231,6 +231,7 @@ def draft_attention(
     if out.numel() == 0:
         return out
     lens = ctx_lens.to(device=q.device)
+    precision = _precision(q)
     grid = (n, n_heads, triton.cdiv(blk_len, BLOCK_Q))
     _draft_attention_kernel[grid](
         q, k_ctx, v_ctx, lens, k_blk, v_blk, out,
@@ -238,6 +239,11 @@ def draft_attention(
         *q.stride(), *k_ctx.stride(), *v_ctx.stride(), *k_blk.stride(), *v_blk.stride(),
         *out.stride(),
         CAUSAL=causal, HAS_WINDOW=window is not None, HEAD_DIM=head_dim,
-        PRECISION=_precision(q), BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N,
+        PRECISION=precision, BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N, num_warps=_warps(precision, head_dim),
     )
     return out
+
+
+def _warps(precision: str, head_dim: int) -> int:
+    """Warps per program: 8 where float32 tiles of 128-wide heads would spill registers."""
+    return 8 if precision == "ieee" and head_dim >= 128 else 4
