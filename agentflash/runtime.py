@@ -199,6 +199,7 @@ class Runtime:
         speculation: Speculation = "auto",
         quantize: str | None = None,
         compile: bool | None = None,
+        graphs: bool = False,
     ) -> Runtime:
         """Load a model directory (None: the embedded default) and its drafter.
 
@@ -214,14 +215,15 @@ class Runtime:
         the target's layers (CPU, bfloat16; engine.cpu.fastpath). compile: the decode
         step and the drafter compiled ahead of time on CPU in bfloat16 (engine.cpu.compiled; the
         first load on a machine compiles, ~1 min at 11m, later ones load from the disk cache;
-        None: unless $AGENTFLASH_COMPILE=0).
+        None: unless $AGENTFLASH_COMPILE=0). graphs: on CUDA, decode and verify steps replayed
+        from CUDA graphs captured per bucket (engine.graphs; not yet run on a GPU).
 
         Loading and the step-cost measurements run on a thread of their own that then exits
         (`_off_this_thread`), so the calling thread (usually the event loop's) never runs a
         parallel torch op."""
         return _off_this_thread(lambda: cls._load(
             model, draft, device, dtype, cache, scheduler, block_size, session_ttl, pricing, log,
-            speculation, quantize, compile))
+            speculation, quantize, compile, graphs))
 
     @staticmethod
     def connect(base_url: str, model: str | None = None, api_key: str | None = None,
@@ -238,6 +240,7 @@ class Runtime:
         dtype: str | torch.dtype | None, cache: CacheConfig | None, scheduler: SchedulerConfig,
         block_size: int | None, session_ttl: float | None, pricing: Pricing | None,
         log: str | Path | None, speculation: Speculation, quantize: str | None, compile: bool | None,
+        graphs: bool = False,
     ) -> Runtime:
         model_dir = resolve_model(model)
         dev = resolve_device(device)
@@ -257,7 +260,7 @@ class Runtime:
         engine = Engine(target, cache, scheduler, drafter=drafter,
                         spec=SpecConfig(block_size), speculation=speculation,
                         detokenize=tokenizer.decode, quantize=quantize, compile=compile,
-                        measure_prefill=True)
+                        measure_prefill=True, graphs=graphs)
         return cls(engine, tokenizer, model_dir, drafter_dir, session_ttl, pricing, log)
 
     # ---- public ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from .cpu.fastpath import Prepared, prepare
 from .drafter_runner import DrafterRunner, NoDrafter
 from .drafts import ContextDrafts, DraftSource, DrafterDrafts, PredictionDrafts
 from .errors import ContextLengthError, KVPoolExhaustedError, RequestError
+from .graphs import GraphBuckets, graph_forwards
 from .kv.manager import KVManager, Pin
 from .kv.pool import KVPool
 from .kv.state_pool import StatePool
@@ -66,6 +67,7 @@ class Engine:
         quantize: str | None = None,
         compile: bool | None = None,
         measure_prefill: bool = False,
+        graphs: bool | GraphBuckets = False,
     ):
         """speculation (with a drafter): "auto" verifies what pays by step costs (`spec`'s, or
         measured here when it has none: engine.calibration, a few seconds); "always" verifies
@@ -76,7 +78,10 @@ class Engine:
         None: unless $AGENTFLASH_COMPILE=0). quantize="int8": int8 weights for the target's
         layers (CPU, bfloat16; other numbers than the checkpoint's, so only when asked for).
         measure_prefill: measure the shape of prefill costs, which prices the prefix cache's
-        savings (SeqCounters.recompute_units; agentflash.usage)."""
+        savings (SeqCounters.recompute_units; agentflash.usage). graphs (a dense target): run
+        decode rows and verify blocks from graphs captured per bucket (engine.graphs: CUDA
+        graphs on CUDA; on CPU the same bookkeeping replayed eagerly); True takes buckets up
+        to the scheduler's batch and the model's length."""
         cfg = model.config
         if quantize is not None and not fast_path:
             raise ValueError("quantize needs the fast path (fast_path=True)")
@@ -101,8 +106,15 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
+        decode, draft = prepared.decode, prepared.draft
+        if graphs:
+            if decode is not None:
+                raise ValueError(f"graphs replace the decode forward the fast path made "
+                                 f"({decode.kind}); pass fast_path=False with graphs")
+            decode, draft = graph_forwards(model, drafter, graphs, block_size, cache,
+                                           scheduler.max_running, self.max_model_len)
         self.pool = KVPool(
-            cache.page_size, cache.num_pages,
+            cache.page_size, cache.num_pages + (1 if graphs else 0),  # + the graphs' scratch
             [(cfg.num_key_value_heads, cfg.head_dim)] * cfg.num_kv_layers,
             self.dtype, self.device,
         )
@@ -119,8 +131,8 @@ class Engine:
         self.block_size = block_size
         drafts: DrafterRunner | None = None
         if drafter is not None:  # its context K/V in layers of the same pool
-            drafts = DrafterRunner(drafter, model, self.pool, self.kv, prepared.draft)
-        self.runner = ModelRunner(model, self.pool, self.kv, prepared.decode,
+            drafts = DrafterRunner(drafter, model, self.pool, self.kv, draft)
+        self.runner = ModelRunner(model, self.pool, self.kv, decode,
                                   drafts or NoDrafter(), self.states)
         self.detokenize = detokenize
         self.eos_ids = frozenset(cfg.eos_token_ids)

@@ -25,7 +25,7 @@ from agentflash.kernels.torch_ops import INVARIANT_MAX_QUERIES
 
 from .attention import PagedAttention, index_tensor
 from .batch import BatchItem
-from .cpu.forward import DecodeForward, step_args
+from .cpu.forward import DecodeForward
 from .drafter_runner import DraftContext, NoDrafter
 from .kv.manager import KVManager
 from .kv.pool import KVPool
@@ -106,8 +106,9 @@ class ModelRunner:
         input_ids, pos = flat[:len(ids)], flat[len(ids):]
         if small:  # with a drafter, the forward stores its context K/V too
             assert self.decode is not None
-            out = self.decode(step_args(input_ids, pos, attn), attn.k_caches, attn.v_caches,
-                              self.drafter.caches(self.pool.k), self.drafter.caches(self.pool.v))
+            out = self.decode(self.decode.args(input_ids, pos, attn), attn.k_caches,
+                              attn.v_caches, self.drafter.caches(self.pool.k),
+                              self.drafter.caches(self.pool.v))
             if self.decode.returns_logits:
                 if len(logit_rows) < out.shape[0]:  # a short prefill chunk: its last row only
                     out = out[index_tensor(logit_rows, self.device)]

@@ -1,5 +1,6 @@
 """tools/bench_gpu.py's end-to-end part on CPU with a tiny shape, so the GPU benchmark cannot rot
-between the sessions that have a GPU: random target and drafter, plain vs DFlash decode."""
+between the sessions that have a GPU: random target and drafter, plain vs DFlash decode, each
+eager and from graphs (replayed eagerly on CPU)."""
 
 from __future__ import annotations
 
@@ -22,5 +23,9 @@ def test_end_to_end_decode_reports_and_matches_on_cpu() -> None:
     assert [r["batch"] for r in results] == [1, 2]
     for r in results:
         assert r["identical_outputs"] == f"{r['batch']}/{r['batch']}"  # float32: exact
-        assert r["plain"]["tokens_per_s"] > 0 and r["dflash"]["tau"] >= 1
-        assert r["break_even_tau"] > 0
+        assert r["graphs_identical_to_eager"] == "2/2"
+        for run in ("plain", "dflash", "plain_graphs", "dflash_graphs"):
+            assert r[run]["tokens_per_s"] > 0
+        assert r["dflash"]["tau"] >= 1 and r["dflash_graphs"]["tau"] >= 1
+        assert r["plain_graphs"]["graph_eager_steps"] == r["dflash_graphs"]["graph_eager_steps"] == 0
+        assert r["break_even_tau"] > 0 and r["break_even_tau_graphs"] > 0

@@ -32,6 +32,28 @@ def test_cuda_greedy_equals_cpu_with_and_without_drafter(hf_checkpoint, tmp_path
     assert all(o == outputs[0] for o in outputs)
 
 
+def test_cuda_graphs_give_the_eager_engines_tokens(hf_checkpoint, tmp_path):
+    """Decode/verify and drafter forwards captured into CUDA graphs (engine.graphs) and replayed:
+    the eager CUDA engine's greedy tokens, every step from a graph, graphs reused."""
+    path, hf = hf_checkpoint("qwen3", bos_token_id=None, eos_token_id=None)
+    make_dflash_checkpoint(tmp_path / "draft", hf.config, block_size=4)
+    model = load_model(path, dtype=torch.float32, device="cuda")
+    drafter = load_drafter(tmp_path / "draft", model)
+    prompts = [[1, 2, 3], list(range(5, 40)), [7] * 20]
+    params = SamplingParams(max_new_tokens=16)
+    for d in (None, drafter):
+        runs = []
+        for graphs in (False, True):
+            engine = Engine(model, CacheConfig(4, 256), drafter=d, spec=SpecConfig(4),
+                            speculation="always", graphs=graphs)
+            runs.append([c.output_ids for c in engine.generate(prompts, params)])
+        assert runs[0] == runs[1]
+        forwards = [engine.runner.decode] + ([engine.runner.drafter.forward] if d else [])
+        for forward in forwards:
+            assert forward.stats.eager == 0 and forward.stats.captures > 0
+            assert forward.stats.replays > forward.stats.captures
+
+
 def test_linear_attention_kernels_match_the_reference_and_the_cpu_engine(tmp_path):
     """With the `linear-cuda` extra, a Gated DeltaNet prefill on CUDA takes FLA's chunked delta
     rule and causal-conv1d: each equals the torch reference, and a hybrid model's greedy output

@@ -115,6 +115,12 @@ def test_greedy_matches_transformers_batched(hybrid: tuple[Path, Any], make: Mak
     assert_idle_and_clean(engine)
 
 
+def test_graphs_refuse_a_hybrid_target(make: MakeEngine) -> None:
+    """Graph-replayed forwards (engine.graphs) carry no linear-attention state: a clear error."""
+    with pytest.raises(ValueError, match="hybrid target's linear-attention states"):
+        make(graphs=True, fast_path=False)
+
+
 def test_chunked_prefill_among_decodes(hybrid: tuple[Path, Any], make: MakeEngine) -> None:
     """A 7-token budget and 3 running at once: prompts split over several steps, later ones
     admitted (into freed state slots) and prefilled while others decode."""

@@ -270,8 +270,18 @@ def test_released_sequence_is_rejected_and_errors_are_typed():
         m.extend(kv, 5)
     with pytest.raises(ValueError):
         m.pin(kv)
+    with pytest.raises(ValueError):  # fewer pages than the manager hands out
+        KVManager(P, 8, KVPool(P, 7, [(1, 1)]))
     with pytest.raises(ValueError):
-        KVManager(P, 8, KVPool(P, 9, [(1, 1)]))
+        KVManager(P, 8, KVPool(P + 1, 8, [(1, 1)]))
+    # more: the pages past the manager's are reserved (engine.graphs' scratch page), never
+    # allocated
+    roomy = KVManager(P, 8, KVPool(P, 9, [(1, 1)]))
+    held = roomy.begin(list(range(8 * P)), 0)
+    roomy.extend(held, 8 * P)
+    assert sorted(held.pages) == list(range(8))
+    with pytest.raises(KVPoolExhaustedError):
+        roomy.extend(held, 8 * P + 1)
 
 
 def test_check_integrity_catches_a_leaked_ref():

@@ -2,12 +2,13 @@
 torch SDPA, then end-to-end decode with and without DFlash on a random-weight model of Qwen3-8B's
 shapes. Needs CUDA; `bash tools/bench_gpu.sh` installs, runs the GPU tests, then this.
 
-    python tools/bench_gpu.py [--out bench_gpu.json] [--quick]
+    python tools/bench_gpu.py [--out bench_gpu.json] [--quick] [--dry-run]
 
 Kernel timings are medians of CUDA-event-timed repeats after warm-up (triton.testing.do_bench);
 "GB/s" counts the bytes a kernel must read and write at least. The end-to-end part runs the
 engine at batch 1 and 8 (512-token prompts), greedy, ignore_eos, on the same random target,
-once plainly and once with a random 5-layer DFlash drafter (block 16). Random weights accept almost nothing (tau ~ 1), so the
+once plainly and once with a random 5-layer DFlash drafter (block 16), each eager and from CUDA
+graphs (engine.graphs). Random weights accept almost nothing (tau ~ 1), so the
 speculative tokens/s is a floor; what transfers to trained weights is the cost of a verify step
 relative to a plain decode step, reported as the break-even acceptance length (a drafter must
 commit this many tokens per verify step to beat plain decoding). Every speculative output is
@@ -228,7 +229,8 @@ def decode(engine: Engine, prompts: list[list[int]], new: int, device: str) -> t
 def end_to_end(shape: dict, draft_layers: int, new: int, device: str,
                batches: tuple[int, ...] = (1, 8), prompt_len: int = 512,
                dtype: torch.dtype = DTYPE) -> list[dict]:
-    """Plain vs DFlash decode on one random target (and random drafter), per batch size."""
+    """Plain vs DFlash decode on one random target (and random drafter), per batch size, each
+    eager and from graphs (engine.graphs: CUDA graphs on CUDA, the eager replay on CPU)."""
     target = random_target(shape, device, dtype)
     drafter = init_drafter(target.config, 16, draft_layers, seed=0).to(device, dtype)
     results = []
@@ -236,22 +238,36 @@ def end_to_end(shape: dict, draft_layers: int, new: int, device: str,
     for batch in batches:
         prompts = torch.randint(0, shape["vocab_size"], (batch, prompt_len), generator=g).tolist()
         runs = {}
-        for name, d in (("plain", None), ("dflash", drafter)):
-            engine = Engine(target, CacheConfig(16, 2 * batch * (prompt_len + new) // 16 + 64),
-                            SchedulerConfig(max_running=batch), drafter=d, spec=SpecConfig(16),
-                            speculation="always")
-            decode(engine, prompts, 4, device)  # warm-up: Triton compiles, allocator
-            runs[name] = decode(engine, prompts, new, device)
+        for graphs in (False, True):
+            for name, d in (("plain", None), ("dflash", drafter)):
+                engine = Engine(target, CacheConfig(16, 2 * batch * (prompt_len + new) // 16 + 64),
+                                SchedulerConfig(max_running=batch), drafter=d,
+                                spec=SpecConfig(16), speculation="always", fast_path=not graphs,
+                                graphs=graphs)
+                decode(engine, prompts, 4, device)  # warm-up: Triton compiles, graphs captured
+                outputs, stats = decode(engine, prompts, new, device)
+                if graphs:
+                    forwards = [engine.runner.decode, getattr(engine.runner.drafter, "forward",
+                                                              None)]
+                    stats["graph_eager_steps"] = sum(f.stats.eager for f in forwards if f)
+                runs[name + (" graphs" if graphs else "")] = outputs, stats
         plain, spec = runs["plain"][1], runs["dflash"][1]
         same = sum(a == b for a, b in zip(runs["plain"][0], runs["dflash"][0]))
-        result = {"batch": batch, "plain": plain, "dflash": spec,
+        same_graphs = sum(runs[k][0] == runs[k + " graphs"][0] for k in ("plain", "dflash"))
+        result = {"batch": batch, **{k.replace(" ", "_"): v[1] for k, v in runs.items()},
                   "break_even_tau": spec["step_ms"] / plain["step_ms"],
-                  "identical_outputs": f"{same}/{batch}"}
-        print(f"decode batch {batch}: plain {plain['tokens_per_s']:8.1f} tok/s "
-              f"({plain['step_ms']:.2f} ms/step); DFlash {spec['tokens_per_s']:8.1f} tok/s "
-              f"({spec['step_ms']:.2f} ms/verify step, tau {spec['tau']:.2f}); "
-              f"break-even tau {result['break_even_tau']:.2f}; outputs identical "
-              f"{same}/{batch}", flush=True)
+                  "break_even_tau_graphs": (runs["dflash graphs"][1]["step_ms"]
+                                            / runs["plain graphs"][1]["step_ms"]),
+                  "identical_outputs": f"{same}/{batch}",
+                  "graphs_identical_to_eager": f"{same_graphs}/2"}
+        for label, suffix in (("eager ", ""), ("graphs", " graphs")):
+            p, s = runs["plain" + suffix][1], runs["dflash" + suffix][1]
+            print(f"decode batch {batch} {label}: plain {p['tokens_per_s']:8.1f} tok/s "
+                  f"({p['step_ms']:.2f} ms/step); DFlash {s['tokens_per_s']:8.1f} tok/s "
+                  f"({s['step_ms']:.2f} ms/verify step, tau {s['tau']:.2f}); "
+                  f"break-even tau {s['step_ms'] / p['step_ms']:.2f}", flush=True)
+        print(f"decode batch {batch}: DFlash outputs identical to plain {same}/{batch}; graph "
+              f"runs identical to eager {same_graphs}/2", flush=True)
         results.append(result)
     return results
 
@@ -260,10 +276,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="bench_gpu.json")
     p.add_argument("--quick", action="store_true", help="small sweep, 4-layer target")
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU: the end-to-end part on CPU at a tiny shape (no kernel timings)")
     p.add_argument("--new-tokens", type=int, default=128)
     args = p.parse_args()
+    if args.dry_run:
+        tiny = {**QWEN3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 32, "max_position_embeddings": 1024}
+        print(f"dry run on CPU (torch {torch.__version__}): no kernel timings", flush=True)
+        e2e = end_to_end(tiny, 1, 16, "cpu", prompt_len=64, dtype=torch.float32)
+        with open(args.out, "w") as f:
+            json.dump({"device": "cpu (dry run)", "torch": torch.__version__, "kernels": [],
+                       "end_to_end": e2e}, f, indent=2)
+        print(f"wrote {args.out}")
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("bench_gpu.py needs CUDA")
+        raise SystemExit("bench_gpu.py needs CUDA (--dry-run runs its end-to-end part on CPU)")
     dispatch.use("triton")  # registers the kernels (and is the engine's choice on CUDA anyway)
     dispatch.use("auto")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)

@@ -215,6 +215,11 @@ class DecodeForward:
         return PagedAttention.build(k_caches, v_caches, page_tables, ctx_lens, num_new,
                                     page_size, scale, one_group=True)
 
+    def args(self, ids: torch.Tensor, positions: torch.Tensor,
+             attn: KernelAttention | PagedAttention) -> StepArgs:
+        """The forward's inputs for new tokens `ids` at `positions` with metadata `attn`."""
+        return step_args(ids, positions, attn)
+
     def __call__(self, args: StepArgs, k_caches: Sequence[torch.Tensor],
                  v_caches: Sequence[torch.Tensor], draft_k_caches: Sequence[torch.Tensor] = (),
                  draft_v_caches: Sequence[torch.Tensor] = ()) -> torch.Tensor:

@@ -52,7 +52,8 @@ class Pin:
 
 class KVManager:
     def __init__(self, page_size: int, num_pages: int, pool: KVPool | None = None) -> None:
-        if pool is not None and (pool.page_size, pool.num_pages) != (page_size, num_pages):
+        # a pool may hold pages beyond the manager's: reserved, never allocated (engine.graphs)
+        if pool is not None and (pool.page_size != page_size or pool.num_pages < num_pages):
             raise ValueError("KVPool geometry differs from the manager's")
         self.page_size = page_size
         self.pool = pool
