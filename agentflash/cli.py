@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from agentflash.engine.config import CacheConfig, SpecConfig
+from agentflash.engine.config import CacheConfig, SchedulerConfig, SpecConfig
 from agentflash.engine.device import resolve_device, resolve_dtype
 from agentflash.engine.engine import Engine
 from agentflash.engine.errors import EngineError
@@ -249,6 +249,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="generation requests held at once; more get 429 (default 256)")
     p.add_argument("--no-compile", action="store_true",
                    help="eager forwards instead of the compiled CPU step")
+    p.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens,
+                   help="tokens per engine step, and where prompts are cut into prefill chunks "
+                        "(default %(default)s)")
     p.set_defaults(func=_serve)
 
 
@@ -263,7 +266,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .runtime import Runtime
 
     rt = Runtime.load(args.model, draft=False if args.no_draft else args.draft,
-                      compile=False if args.no_compile else None)
+                      compile=False if args.no_compile else None,
+                      scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens))
     try:
         app = create_app(rt, args.served_model_name, args.api_key, args.max_in_flight)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -192,13 +193,16 @@ def main() -> None:
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="vLLM's weights and compute (float32 can be its faster choice on a "
                     "CPU without native bf16)")
+    ap.add_argument("--serve-args", default="",
+                    help="more arguments for `agentflash serve`, e.g. '--max-batch-tokens 2048'")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     run = (args.sessions, args.turns, args.max_tokens, "none", args.workload)
     if not args.skip_agentflash:
-        with agentflash_server(args.cache / "agentflash-serve.log", []) as url:
+        with agentflash_server(args.cache / "agentflash-serve.log",
+                               shlex.split(args.serve_args)) as url:
             results["agentflash"] = asyncio.run(workload(url, EMBEDDED.name, *run))
         print(json.dumps(results["agentflash"]), flush=True)
     if not args.skip_vllm:
