@@ -31,6 +31,32 @@ __all__ = ["Tool", "ToolOutcome", "as_tool", "tool"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+
+def _schema_error(parameters: dict[str, Any]) -> str | None:
+    """Why `parameters` is not a valid JSON Schema (2020-12), or None. Checking a schema against
+    the metaschema costs ~3 ms a tool, and agents resend the same tools every turn: the verdicts
+    of JSON-exact schemas are cached by their canonical text."""
+    try:
+        text = json.dumps(parameters, sort_keys=True)
+        exact = json.loads(text) == parameters  # tuples and the like are not cached
+    except (TypeError, ValueError):
+        exact = False
+    return _checked(text) if exact else _check(parameters)
+
+
+def _check(parameters: Any) -> str | None:
+    try:
+        Draft202012Validator.check_schema(parameters)
+    except SchemaError as e:
+        return e.message
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked(text: str) -> str | None:
+    return _check(json.loads(text))
+
+
 @dataclass(frozen=True)
 class ToolOutcome:
     """The result of one tool call, as the model will see it."""
@@ -116,10 +142,9 @@ class Tool:
         if not isinstance(parameters, dict) or parameters.get("type") != "object":
             raise ToolSchemaError(f'parameters of tool {name} must be a JSON schema dict with '
                                   f'"type": "object"')
-        try:
-            Draft202012Validator.check_schema(parameters)
-        except SchemaError as e:
-            raise ToolSchemaError(f"invalid parameters schema for tool {name}: {e.message}") from e
+        error = _schema_error(parameters)
+        if error is not None:
+            raise ToolSchemaError(f"invalid parameters schema for tool {name}: {error}")
         return cls(name=name, description=description, parameters=parameters)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -3,6 +3,8 @@ trio), and the errors users see."""
 
 from __future__ import annotations
 
+import importlib
+import json
 import threading
 from typing import Any, Callable, Literal, Optional
 
@@ -305,8 +307,26 @@ def test_from_schema_accepts_openai_and_bare_shapes() -> None:
      "invalid parameters schema for tool x"),
 ])
 def test_from_schema_rejects_malformed_specs(spec: Any, match: str) -> None:
-    with pytest.raises(ToolSchemaError, match=match):
-        Tool.from_schema(spec)
+    for _ in range(2):  # the second time from the cache of checked schemas
+        with pytest.raises(ToolSchemaError, match=match):
+            Tool.from_schema(spec)
+
+
+def test_a_resent_schema_is_checked_once_and_non_json_schemas_every_time() -> None:
+    tool_module = importlib.import_module("agentflash.tool")  # (agentflash.tool: the decorator)
+    spec = {"name": "lookup_cache_probe", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "enum": ["a", "b"]}}}}
+    Tool.from_schema(spec)
+    checks = tool_module._checked.cache_info()
+    Tool.from_schema(json.loads(json.dumps(spec)))  # the same schema, another object
+    after = tool_module._checked.cache_info()
+    assert after.hits == checks.hits + 1 and after.misses == checks.misses
+    # a tuple is no JSON array for the metaschema: checked as given, never from the cache
+    bad = {"name": "x", "parameters": {"type": "object", "required": ("q",)}}
+    for _ in range(2):
+        with pytest.raises(ToolSchemaError, match="invalid parameters schema"):
+            Tool.from_schema(bad)
+    assert tool_module._checked.cache_info().misses == after.misses
 
 
 def test_schema_tool_validation_and_no_code() -> None:
