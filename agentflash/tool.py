@@ -31,7 +31,6 @@ __all__ = ["Tool", "ToolOutcome", "as_tool", "tool"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
-
 def _schema_error(parameters: dict[str, Any]) -> str | None:
     """Why `parameters` is not a valid JSON Schema (2020-12), or None. Checking a schema against
     the metaschema costs ~3 ms a tool, and agents resend the same tools every turn: the verdicts

@@ -1,7 +1,8 @@
-"""Decode/verify forwards replayed from captured graphs: no per-kernel launch cost on CUDA.
+"""Decode/verify and drafter forwards replayed from captured graphs: no per-kernel launch cost
+on CUDA.
 
-A step's decode rows and verify blocks (every forward the runner sends to a decode forward) are
-laid out in a bucket: a batch of sequences padded to `Bucket.batch`, each sequence's new tokens
+A step's decode rows and verify blocks (every forward the runner sends to a decode forward), and
+the drafter's blocks, are laid out in a bucket: a batch of sequences padded to `Bucket.batch`, each sequence's new tokens
 padded to `Bucket.queries` rows, its page table padded to `Bucket.pages` pages. Every tensor the
 forward reads lives in the bucket's static buffers (token ids, positions, the slot each token's
 K/V goes to, page tables), which each step overwrites; the KV pool's tensors never move. The

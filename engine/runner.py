@@ -6,7 +6,7 @@ hidden states of the drafter's target layers and writes the drafter's context K/
 positions into the drafter's layers of the same paged pool.
 
 With a decode/verify forward (engine.cpu.forward: compiled ahead of time, or eager on the CPU
-kernels), every decode row and verify block runs through it; each prefill chunk runs in a forward
+kernels; engine.graphs: replayed per bucket), every decode row and verify block runs through it; each prefill chunk runs in a forward
 of its own (the scheduler cuts prompts at fixed positions), so a sequence's rows never depend on
 what else was scheduled with them.
 
