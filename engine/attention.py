@@ -40,7 +40,14 @@ def slot_table(page_tables: Sequence[Sequence[int]], page_size: int) -> torch.Te
     table = torch.zeros(len(page_tables), max_pages, dtype=torch.long)
     for b, pages in enumerate(page_tables):
         table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
-    return (table[:, :, None] * page_size + torch.arange(page_size)).flatten(1)
+    return table_slots(table, page_size)
+
+
+def table_slots(table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[B, P * page_size] the slot ids of page tables [B, P], on their device (engine.graphs
+    computes them inside a graph)."""
+    offsets = torch.arange(page_size, device=table.device)
+    return (table[:, :, None] * page_size + offsets).flatten(1)
 
 
 class AttentionBackend(Protocol):

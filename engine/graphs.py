@@ -2,11 +2,11 @@
 on CUDA.
 
 A step's decode rows and verify blocks (every forward the runner sends to a decode forward), and
-the drafter's blocks, are laid out in a bucket: a batch of sequences padded to `Bucket.batch`, each sequence's new tokens
-padded to `Bucket.queries` rows, its page table padded to `Bucket.pages` pages. Every tensor the
-forward reads lives in the bucket's static buffers (token ids, positions, the slot each token's
-K/V goes to, page tables), which each step overwrites; the KV pool's tensors never move. The
-forward computes the keys' slots and the causal mask from those buffers inside the graph, so one
+the drafter's blocks, are laid out in a bucket: a batch of sequences padded to `Bucket.batch`,
+each sequence's new tokens padded to `Bucket.queries` rows, its page table padded to
+`Bucket.pages` pages. Every tensor the forward reads lives in the bucket's static buffers
+(token ids, positions, the slot each token's K/V goes to, page tables), which each step
+overwrites; the KV pool's tensors never move. The forward computes the keys' slots and the causal mask from those buffers inside the graph, so one
 capture per bucket serves every step that fits it, whatever its page tables.
 
 Padding rows are token 0 at position 0, their K/V (and a drafter's context K/V) written into a
@@ -32,7 +32,8 @@ import torch
 
 from agentflash.kernels.torch_ops import INVARIANT_MAX_QUERIES
 
-from .attention import PagedAttention, PagedDraftAttention, PagedGroup, index_tensor
+from .attention import (PagedAttention, PagedDraftAttention, PagedGroup, index_tensor,
+                        table_slots)
 from .config import CacheConfig
 from .cpu.forward import DecodeForward, DraftForward
 from .models.dflash import DFlashDraftModel
@@ -100,10 +101,11 @@ def eager_replay(forward: Replay) -> Replay:
     return forward
 
 
-def cuda_graph(pool: object | None = None) -> Capture:
+def cuda_graph() -> Capture:
     """Captures on CUDA: two warm-up runs on a side stream (Triton compiles its kernels, the
-    caching allocator settles), then the forward captured into a CUDAGraph sharing `pool`."""
-    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    caching allocator settles), then the forward captured into a CUDAGraph; an engine's graphs
+    share one memory pool."""
+    pool = torch.cuda.graph_pool_handle()
 
     def capture(forward: Replay) -> Replay:
         stream = torch.cuda.Stream()
@@ -161,12 +163,11 @@ class _Graphs:
                 f"{self.buckets.max_graphs} graphs are captured (GraphBuckets.max_graphs); "
                 f"bucket {bucket} has none"))
         held = self.graphs.get(bucket)
+        state = held[0] if held is not None else buffers(bucket)
+        rows = fill(state, bucket)
         if held is not None:
-            state, replay = held
-            rows = fill(state, bucket)
+            replay = held[1]
         else:
-            state = buffers(bucket)
-            rows = fill(state, bucket)
             try:
                 replay = self.capture(forward(state, bucket))
             except Exception as e:  # the forward itself runs eager: say why, stop capturing
@@ -291,8 +292,7 @@ class GraphDecodeForward(DecodeForward):
         def forward() -> torch.Tensor:
             table, positions = buffers.table, buffers.positions
             batch, pages = table.shape
-            offsets = torch.arange(ps, device=table.device)
-            gather = (table[:, :, None] * ps + offsets).flatten(1)
+            gather = table_slots(table, ps)
             keys = torch.arange(pages * ps, device=table.device)
             mask = keys[None, None, :] <= positions.view(batch, queries)[:, :, None]
             q_index = torch.arange(batch * queries, device=table.device).view(batch, queries)
@@ -385,10 +385,8 @@ class GraphDraftForward(DraftForward):
         kinds = [drafter.layer_kind(i) for i in range(len(k_caches))]
 
         def forward() -> torch.Tensor:
-            offsets = torch.arange(ps, device=buffers.table.device)
-            gather = (buffers.table[:, :, None] * ps + offsets).flatten(1)
-            attn = PagedDraftAttention(k_caches, v_caches, gather, buffers.lens, b,
-                                       drafter.attention_scale, kinds)
+            attn = PagedDraftAttention(k_caches, v_caches, table_slots(buffers.table, ps),
+                                       buffers.lens, b, drafter.attention_scale, kinds)
             h = drafter.embed_block(model, buffers.ids)
             return drafter(h, buffers.positions, attn, block_size=b)
         return forward

@@ -6,9 +6,9 @@ hidden states of the drafter's target layers and writes the drafter's context K/
 positions into the drafter's layers of the same paged pool.
 
 With a decode/verify forward (engine.cpu.forward: compiled ahead of time, or eager on the CPU
-kernels; engine.graphs: replayed per bucket), every decode row and verify block runs through it; each prefill chunk runs in a forward
-of its own (the scheduler cuts prompts at fixed positions), so a sequence's rows never depend on
-what else was scheduled with them.
+kernels; engine.graphs: replayed per bucket), every decode row and verify block runs through
+it; each prefill chunk runs in a forward of its own (the scheduler cuts prompts at fixed
+positions), so a sequence's rows never depend on what else was scheduled with them.
 
 With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V; the
 linear-attention states travel through `LinearStates.forward` (engine.states), every item in

@@ -118,11 +118,9 @@ def jitted(modules: list[ModuleType]) -> dict[str, object]:
 @contextlib.contextmanager
 def recording(kernels: list[object], then: Callable[[Launch], None]) -> Iterator[None]:
     """Launches of `kernels` call `then(Launch)` instead of running (their wrappers still run)."""
-    case = ""
-
     def recorder(fn):
         def run(*args, grid, warmup, **kwargs):
-            then(Launch(fn, args, kwargs, case))
+            then(Launch(fn, args, kwargs, case=""))
         return run
 
     for fn in kernels:
@@ -277,7 +275,7 @@ def compile_launch(launch: Launch, arch: int) -> Line:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    line = Line(launch.kernel.__name__, launch.case, arch, False, models=[launch.model])
+    line = Line(launch.kernel.__name__, launch.case, arch, False)
     target = GPUTarget("cuda", arch, 32)
     try:
         _, (options, signature, constexprs, attrs) = _specialize(launch, make_backend(target))
