@@ -285,6 +285,7 @@ class Engine:
         t0 = time.perf_counter()
         out = self.runner.forward(items)
         self.accounting.forward(items, time.perf_counter() - t0, decoding)
+        self._share_prefilled(items)
         logits, judged = self._rows(items, out, updates)
         verdicts = judge(logits, [rows for _, rows in judged]) if judged else []
         for (item, rows), verdict in zip(judged, verdicts):
@@ -294,6 +295,18 @@ class Engine:
                 updates.append(self._fail(item.seq, e))
         self.counters.step_s += time.perf_counter() - t_step
         return updates
+
+    def _share_prefilled(self, items: list[BatchItem]) -> None:
+        """Offer the prompt computed so far by each prefill chunk of the step to the prefix
+        cache at once, not when its sequence finishes: a request sharing the prefix, admitted
+        from now on (the scheduler holds one back while its prefix is being prefilled), reuses
+        it. Not for hybrid targets, which resume only where a state snapshot was taken."""
+        if self.states.snapshots_only:
+            return
+        for item in items:
+            seq = item.seq
+            if item.start < len(seq.prompt_ids) and seq.kv is not None:
+                self.kv.cache_running(seq.kv, seq.tokens)
 
     def _propose(self, items: list[BatchItem], decoding: int,
                  updates: list[SeqUpdate]) -> list[BatchItem]:

@@ -11,6 +11,10 @@ sequence never runs out of KV mid-generation and nothing needs preempting. A req
 not fit even with every unpinned page evicted fails with KVPoolExhaustedError instead of waiting,
 unless `relieve` (the runtime's: release idle sessions' pins, the longest idle first) frees pages.
 
+Sequences are admitted first come, first served, except that one whose prompt shares a prefix
+with a sequence still prefilling it waits until that prefix is cached, then reuses it
+(`_prefix_in_flight`).
+
 Admission and removal tell the target's per-sequence states (engine.states): a hybrid model's
 sequence gets a linear-attention state slot (max_running of them, so one is always free),
 restored where its reused prefix ends (only prefixes that end at a snapshot are reused), and
@@ -28,8 +32,15 @@ from .batch import BatchItem
 from .config import SchedulerConfig
 from .errors import KVPoolExhaustedError
 from .kv.manager import KVManager
+from .kv.prefix import common_prefix
 from .sequence import Sequence, Status
 from .states import NoStates, SequenceStates
+
+
+HOLD_MIN_TOKENS = 64
+"""The fewest prompt tokens a held sequence must gain by waiting for another's prefill: waiting
+costs it a step's fixed work (decode rows, drafting, host), which on the embedded model is about
+what 20-50 prompt tokens cost to prefill."""
 
 
 class Scheduler:
@@ -81,8 +92,12 @@ class Scheduler:
             budget -= n
             prefills += 1
         failed: list[Sequence] = []
+        held: list[Sequence] = []
         while budget > 0 and self.waiting and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
+            if len(held) < self.config.max_running and self._prefix_in_flight(seq):
+                held.append(self.waiting.popleft())
+                continue
             admitted, error = self._admit(seq)
             if error is not None:
                 self.waiting.popleft()
@@ -99,7 +114,22 @@ class Scheduler:
             items.append(BatchItem(seq, n))
             budget -= n
             prefills += 1
+        self.waiting.extendleft(reversed(held))
         return items, failed
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether `seq` should wait for a running sequence that is prefilling a prefix of its
+        prompt HOLD_MIN_TOKENS or more beyond what the prefix cache holds now: admitted once that
+        prefix is computed and cached (the engine caches each prefill chunk), it reuses those
+        tokens instead of computing them a second time. Agents of one application start with
+        the same system prompt and tools; several arriving together compute them once. The
+        held sequence waits for steps that would otherwise compute those tokens twice."""
+        if not seq.reuse or self.states.snapshots_only:
+            return False
+        prompt = seq.prompt_ids[:-1]  # (the last prompt token is always computed)
+        shared = max((common_prefix(prompt, other.prompt_ids) for other in self.running
+                      if other.prefilling), default=0)
+        return shared - self.kv.cached_length(prompt) >= HOLD_MIN_TOKENS
 
     def _prefill_chunk(self, seq: Sequence) -> int:
         """The next prefill chunk's length: what is left of the prompt up to the next multiple

@@ -99,6 +99,57 @@ def test_shared_prefix_across_concurrent_sequences(pair):
         assert c.output_ids == hf_greedy(hf, p, GREEDY.max_new_tokens)
 
 
+def test_prompts_arriving_together_compute_their_shared_prefix_once(pair):
+    """Agents of one application start with the same system prompt: submitted together, the
+    first computes it and the others wait while that saves HOLD_MIN_TOKENS or more (with a
+    chunked prefill, each chunk is reusable once computed); a prompt identical to one being
+    prefilled computes only its last token. Outputs are transformers' either way."""
+    make, hf = pair
+    system = random_prompts(1, seed=11, lo=100, hi=100)[0]
+    prompts = [system + tail for tail in ([2, 3], [4], [5, 6, 7])] + [system + [2, 3]]
+    # whole prompts in one chunk: the three wait for all of it; chunks of 32, a step's whole
+    # budget: after two chunks waiting would save less than HOLD_MIN_TOKENS (64), and they
+    # enter in the next step with budget left, after the third
+    for chunk, reused in ((512, [0, 100, 100, 101]), (32, [0, 96, 96, 96])):
+        engine = make(scheduler=SchedulerConfig(max_batch_tokens=chunk))
+        got = engine.generate(prompts, GREEDY)
+        assert [c.counters.cached_tokens for c in got] == reused
+        assert [c.counters.prefill_tokens for c in got] == \
+            [len(p) - n for p, n in zip(prompts, reused)]
+        for p, c in zip(prompts, got):
+            assert c.output_ids == hf_greedy(hf, p, GREEDY.max_new_tokens)
+        assert engine.stats()["pages_referenced"] == 0
+        engine.kv.check_integrity()
+
+
+def test_a_prompt_is_shared_while_its_sequence_decodes(pair):
+    """A running sequence's prompt is reusable as soon as it is prefilled, not only once the
+    sequence ends; a request with reuse=False neither waits nor reuses."""
+    make, hf = pair
+    engine = make()
+    system = random_prompts(1, seed=12, lo=70, hi=70)[0]
+    first = engine.submit(system + [1], SamplingParams(max_new_tokens=30))
+    engine.step()
+    assert engine.sequence(first).output_ids  # prefilled, decoding
+    later = [system + [9, 8], system + [7]]
+    (c,) = engine.generate(later[:1], GREEDY)
+    assert c.counters.cached_tokens == len(system)
+    assert c.output_ids == hf_greedy(hf, later[0], GREEDY.max_new_tokens)
+    a = engine.submit(system[:5] + [1] + system[5:], GREEDY)   # shares 5 tokens: too few
+    b = engine.submit(later[1], GREEDY, reuse=False)
+    engine.step()
+    assert not engine.scheduler.waiting  # neither held
+    while engine.has_work():
+        engine.step()
+    ra, rb = engine.result(a), engine.result(b)
+    assert rb.counters.cached_tokens == 0
+    assert rb.output_ids == hf_greedy(hf, later[1], GREEDY.max_new_tokens)
+    assert ra.output_ids == hf_greedy(hf, system[:5] + [1] + system[5:], GREEDY.max_new_tokens)
+    assert len(engine.result(first).output_ids) == 30
+    assert engine.stats()["pages_referenced"] == 0
+    engine.kv.check_integrity()
+
+
 def test_sampling_is_seeded_and_batch_independent(pair):
     make, _ = pair
     engine = make()

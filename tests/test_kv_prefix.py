@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentflash.engine.kv import PageAllocator, RadixCache
+from agentflash.engine.kv.prefix import common_prefix
 
 P = 4
 
@@ -43,6 +44,28 @@ def test_match_empty_tree_and_empty_query(tree):
     assert (m.node, m.length, m.pages) == (tree.root, 0, [])
     put(tree, [1, 2, 3])
     assert tree.match([]).length == 0
+
+
+def test_common_prefix():
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix([1, 2, 3], [1, 2]) == 2
+    assert common_prefix((1, 2, 3), [1, 2, 4]) == 2
+    for n in range(40):
+        a = list(range(40))
+        b = a[:n] + [-1] + a[n + 1:]
+        assert common_prefix(a, b) == n
+
+
+def test_matched_length_is_matchs_length_without_changing_the_tree(tree):
+    put(tree, [1, 2, 3, 4, 5, 6])
+    put(tree, [1, 2, 3, 9])
+    before = ([(n.start, n.tokens) for n in tree._nodes()], tree._clock)
+    for query, n in (([1, 2, 3, 4, 5, 6, 7], 6), ([1, 2, 3, 4, 0], 4), ([1, 2, 3, 9], 4),
+                     ([1, 2], 2), ([2], 0), ([], 0)):
+        assert tree.matched_length(query) == n
+    assert ([(n.start, n.tokens) for n in tree._nodes()], tree._clock) == before
+    assert tree.matched_length([1, 2, 3, 4, 0]) == tree.match([1, 2, 3, 4, 0]).length
 
 
 def test_insert_then_match_longest_prefix(tree):

@@ -74,6 +74,10 @@ class KVManager:
         self._live.add(kv)
         return kv
 
+    def cached_length(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the prefix cache holds now (read only)."""
+        return self.radix.matched_length(tokens)
+
     def reserve(self, kv: SeqKV, total_len: int) -> bool:
         """Promise every page that extending `kv` to `total_len` tokens can need, evicting cache
         if required; False (reserving nothing, evicting nothing) if that is not possible now.

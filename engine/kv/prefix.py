@@ -26,6 +26,24 @@ from typing import Iterable, NamedTuple, Sequence
 from .allocator import PageAllocator
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two token lists (slices compared in C:
+    O(n log n) element compares, no Python loop per token)."""
+    if type(a) is not type(b):
+        a, b = list(a), list(b)
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class RadixNode:
     """A span [start, end) of tokens on one root path, with the pages of the indices it covers."""
 
@@ -82,6 +100,21 @@ class RadixCache:
             node = node.parent
         self._touch(node)
         return PrefixMatch(node, node.end, self._page_table(node))
+
+    def matched_length(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the tree holds (`match`'s length, read only: no
+        split, no access recorded)."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = common_prefix(child.tokens, tokens[pos:pos + len(child.tokens)])
+            pos += n
+            if n < len(child.tokens):
+                break
+            node = child
+        return pos
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> RadixNode:
         """Cache `tokens` whose KV lives in `pages` (page table of ceil(len/P) pages); the
