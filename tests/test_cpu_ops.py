@@ -17,7 +17,7 @@ import torch
 from agentflash.engine.attention import PagedAttention
 from agentflash.engine.cpu.attention import KernelAttention
 from agentflash.engine.cpu.kernel_linear import (WIDEN_ROWS, KernelLinear, WidenedLinear,
-                                                   with_kernel_linears)
+                                                 float32_packing_available, with_kernel_linears)
 from agentflash.engine.sampler import top1
 from agentflash.kernels import cpu_ops
 from skips import CPU_KERNELS, OTHER_CPU_BUILDS, other_cpu_builds
@@ -111,6 +111,11 @@ def test_a_widened_linear_takes_the_kernel_for_few_rows_and_float32_for_many():
     want = torch.nn.functional.linear(many.float(), w.float(), b.float()).to(torch.bfloat16)
     assert torch.equal(layer(many), want)
     assert torch.equal(layer(many[None])[0], want)  # leading dimensions
+    if float32_packing_available():  # the float32 weight kept in oneDNN's layout
+        layer.pack()
+        assert torch.equal(layer(few), cpu_ops.linear(few, w, b))
+        torch.testing.assert_close(layer(many), want, atol=0, rtol=1 / 128)
+        assert torch.equal(layer(many[None])[0], layer(many))
 
 
 @pytest.mark.parametrize("isa,extras", other_cpu_builds() or [pytest.param(

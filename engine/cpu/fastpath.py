@@ -78,7 +78,8 @@ from ..models.qwen3_5 import HybridCausalLM
 from . import compiled as compiled_step
 from .compiled import CompiledDraft, CompiledForward
 from .forward import DecodeForward, DraftForward, ModuleDraftForward
-from .kernel_linear import KernelLinear, WidenedLinear, swap_linears
+from .kernel_linear import (KernelLinear, WidenedLinear, float32_packing_available,
+                            swap_linears)
 from .packed import PackedLinear, pack_linears, packing_available
 from .quantized import Int8Linear, quantize_drafter_int8, quantize_linears_int8
 
@@ -178,6 +179,17 @@ def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: b
             drafter.context_kv_proj = nn.ModuleList(
                 kind(*drafter.context_kv_rows(i)) for i in range(len(drafter.layers)))
         swap_linears(drafter, kind)
+    widened = [m for part in (model, drafter) if part is not None for m in part.modules()
+               if isinstance(m, WidenedLinear)]
+    if float32_packing_available() and \
+            4 * sum(m.weight.numel() for m in widened) <= PACK_FLOAT32_BYTES:
+        for m in widened:
+            m.pack()
+
+
+PACK_FLOAT32_BYTES = 512 << 20
+"""`widened-bf16-linears` keeps packed float32 copies of the widened weights when they take
+this much memory or less (the embedded model's: 38 MB); larger models widen per call."""
 
 
 FAST_PATHS: list[FastPath] = [  # in order: quantization first, the layouts take what is left

@@ -48,13 +48,37 @@ WIDEN_ROWS = 64
 """A `WidenedLinear` call of more rows than this computes in float32 (else the kernel)."""
 
 
+PACK_ROWS = 512
+"""The row count a packed float32 weight's layout is chosen for (a prefill chunk's, by default)."""
+
+
+def float32_packing_available() -> bool:
+    """oneDNN float32 matmuls on prepacked weights exist in this torch build."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_reorder_linear_weight")
+
+
 class WidenedLinear(KernelLinear):
     """y = x W^T + b in bfloat16 on a CPU without bf16 matmuls: the kernel for few rows,
-    float32 on the widened weight for many (inference)."""
+    float32 on the widened weight for many (inference). After `pack()`, the float32 weight is
+    kept, reordered once into oneDNN's blocked layout (twice the bf16 weight's memory; 1.05-1.15x
+    the throughput of widening per call at 296-512 rows on AVX2), instead of widened per call."""
+
+    _packed: torch.Tensor | None = None
+    _bias: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), PACK_ROWS)
+        self._bias = None if self.bias is None else self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= WIDEN_ROWS * self.in_features:
             return cpu_ops.linear(x, self.weight, self.bias)
+        if self._packed is not None:
+            flat = x.reshape(-1, self.in_features).float()
+            out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self._bias, "none",
+                                                     [], "")
+            return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
 
