@@ -23,7 +23,8 @@ serves every decode and verify row, so speculative output equals plain output wi
   every linear layer of the eager models becomes a `WidenedLinear` (engine.cpu.kernel_linear):
   the kernel for few rows, float32 on the widened weight for prefill chunks, where torch's
   emulated bf16 matmul is ~5x slower than float32 (the runner gives each prefill chunk a forward
-  of its own, so a chunk's rows are the same in every run). Applied after compiling (the
+  of its own, so a chunk's rows are the same in every run); the widened weights are kept,
+  packed for oneDNN, up to PACK_FLOAT32_BYTES of them. Applied after compiling (the
   programs trace the plain linears). Hybrid models, whose forwards carry prefill chunks and
   verify blocks together, get `KernelLinear`s instead (`cpu-kernel-linears`: every row the
   kernel's, whatever the call).
