@@ -252,6 +252,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens,
                    help="tokens per engine step, and where prompts are cut into prefill chunks "
                         "(default %(default)s)")
+    p.add_argument("--prefill-first-steps", type=int,
+                   default=SchedulerConfig.prefill_first_steps,
+                   help="while prompts wait, up to this many steps in a row prefill them before "
+                        "the running requests' next tokens; 0: decode in every step "
+                        "(default %(default)s)")
     p.set_defaults(func=_serve)
 
 
@@ -267,7 +272,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     rt = Runtime.load(args.model, draft=False if args.no_draft else args.draft,
                       compile=False if args.no_compile else None,
-                      scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens))
+                      scheduler=SchedulerConfig(
+                          max_batch_tokens=args.max_batch_tokens,
+                          prefill_first_steps=args.prefill_first_steps))
     try:
         app = create_app(rt, args.served_model_name, args.api_key, args.max_in_flight)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")

@@ -234,10 +234,15 @@ class SchedulerConfig:
 
     max_batch_tokens: int = 512   # tokens per forward (prefill chunks + decode tokens)
     max_running: int = 64         # sequences in flight at once
+    prefill_first_steps: int = 8
+    """While prompts wait to be prefilled, up to this many steps in a row run only their chunks
+    and the decode rows wait (first tokens come sooner under a burst of requests; the running
+    sequences' next tokens later); 0: decode rows go in every step."""
 
     def __post_init__(self) -> None:
-        if self.max_batch_tokens < 1 or self.max_running < 1:
-            raise ValueError("max_batch_tokens and max_running must be >= 1")
+        if self.max_batch_tokens < 1 or self.max_running < 1 or self.prefill_first_steps < 0:
+            raise ValueError("max_batch_tokens and max_running must be >= 1, "
+                             "prefill_first_steps >= 0")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""Picks each engine step's batch: decode tokens first, then chunks of pending prefills.
+"""Picks each engine step's batch: decode tokens first, then chunks of pending prefills; while
+prompts wait to be prefilled, up to `prefill_first_steps` steps in a row take only their chunks
+(the decode rows wait), so a burst of requests gets its first tokens sooner.
 
 Prompts are cut into chunks at fixed positions (multiples of `max_batch_tokens` from position
 0), never where a step's budget happens to run out: with each chunk in a forward of its own
@@ -54,6 +56,7 @@ class Scheduler:
         # set by the layer above (the runtime): frees pinned pages that nothing runs on (idle
         # sessions) when a request needs them; returns False when it had nothing to free
         self.relieve: Callable[[], bool] | None = None
+        self._prefill_only = 0  # steps in a row that left the decode rows out
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -71,9 +74,16 @@ class Scheduler:
     def schedule(self) -> tuple[list[BatchItem], list[Sequence]]:
         """Returns (this step's batch, sequences that failed admission with an error)."""
         budget = self.config.max_batch_tokens
-        items: list[BatchItem] = []
         decoding = [s for s in self.running if not s.prefilling]
-        prefilling = [s for s in self.running if s.prefilling]
+        if decoding and self._prefill_only < self.config.prefill_first_steps:
+            items, failed = self._prefills([], budget)
+            if items:  # decode rows wait this step
+                self._prefill_only += 1
+                return items, failed
+        else:
+            failed = []
+        self._prefill_only = 0
+        items: list[BatchItem] = []
         for seq in decoding:
             if budget <= 0:
                 break
@@ -81,8 +91,15 @@ class Scheduler:
             n = max(1, min(seq.block_size, seq.budget - seq.computed, budget))
             items.append(BatchItem(seq, n))
             budget -= n
+        items, more = self._prefills(items, budget)
+        return items, failed + more
+
+    def _prefills(self, items: list[BatchItem], budget: int
+                  ) -> tuple[list[BatchItem], list[Sequence]]:
+        """`items` with the next chunks of running prefills and the first chunks of admitted
+        sequences added within `budget`; and the sequences that failed admission."""
         prefills = 0
-        for seq in prefilling:
+        for seq in [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break
             n = self._prefill_chunk(seq)

@@ -150,6 +150,30 @@ def test_a_prompt_is_shared_while_its_sequence_decodes(pair):
     engine.kv.check_integrity()
 
 
+def test_waiting_prompts_are_prefilled_before_decode_rows_for_a_bounded_run(pair):
+    """A prompt that arrives while another request decodes gets its chunks first (decode rows
+    wait) for at most prefill_first_steps steps in a row; with 0, decode rows go in every step.
+    Outputs are transformers' either way."""
+    make, hf = pair
+    first, second = random_prompts(2, seed=13, lo=30, hi=30)
+    first = first[:5]
+    for bound, grown in ((2, [0, 0, 1, 0, 1]), (0, [1, 1, 1, 1, 1])):
+        engine = make(scheduler=SchedulerConfig(max_batch_tokens=8, prefill_first_steps=bound))
+        a = engine.submit(first, SamplingParams(max_new_tokens=40))
+        engine.step()  # prefilled: its first token
+        b = engine.submit(second, GREEDY)  # four chunks of 8
+        lengths = [len(engine.sequence(a).output_ids)]
+        for _ in range(5):
+            engine.step()
+            lengths.append(len(engine.sequence(a).output_ids))
+        assert [n - m for m, n in zip(lengths, lengths[1:])] == grown
+        assert engine.sequence(b).output_ids  # prefilled within the five steps
+        while engine.has_work():
+            engine.step()
+        assert engine.result(a).output_ids == hf_greedy(hf, first, 40)
+        assert engine.result(b).output_ids == hf_greedy(hf, second, GREEDY.max_new_tokens)
+
+
 def test_sampling_is_seeded_and_batch_independent(pair):
     make, _ = pair
     engine = make()

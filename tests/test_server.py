@@ -535,11 +535,12 @@ def test_load_64_streaming_agents_and_20_disconnects(base_url, rt):
 
 def test_agentflash_serve_command(tmp_path):
     """The CLI: `agentflash serve` binds 127.0.0.1 by default and honours --api-key (and takes
-    a step budget of its own)."""
+    a step budget and a prefill-first bound of its own)."""
     port = free_port()
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "agentflash", "serve", "--port", str(port), "--no-draft",
-           "--api-key", KEY, "--served-model-name", "served", "--max-batch-tokens", "64"]
+           "--api-key", KEY, "--served-model-name", "served", "--max-batch-tokens", "64",
+           "--prefill-first-steps", "0"]
     with http_server(cmd, port, log, start_s=300) as url:
         assert f"http://127.0.0.1:{port}" in log.read_text()
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
