@@ -86,12 +86,37 @@ def paged_attention(
     else:
         k = gather_slots(k_cache, gather).transpose(1, 2)  # [B, Hkv, L, D]
         v = gather_slots(v_cache, gather).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
-            enable_gqa=k.shape[1] != n_heads,
-        ).transpose(1, 2)  # [B, Q, Hq, D]
+        out = _causal_sdpa(q_pad.transpose(1, 2), k, v, mask, scale).transpose(1, 2)
     out = out.reshape(batch * q_len, n_heads, head_dim)
     return out if out_index is None else out[out_index]
+
+
+CAUSAL_BLOCK = 128
+"""Queries per SDPA call of a long prefill chunk (`_causal_sdpa`)."""
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
+    """SDPA of q [B, Hq, Q, D] over k/v [B, Hkv, L, D] with `mask` [B, 1, Q, L]. A chunk of
+    one sequence with 3 * CAUSAL_BLOCK queries or more runs a call per block of CAUSAL_BLOCK
+    queries over only the keys its last query sees: CPU SDPA computes every masked key. On
+    a 2-core AVX2 EPYC, one layer of the embedded model: 7.1 -> 5.6 ms for a prompt's first
+    512 tokens, 14.3 -> 12.9 after a prefix of 512, 21.6 -> 20.5 after 1024; the whole
+    512-token prefill 193 -> 187 ms."""
+    gqa = k.shape[1] != q.shape[1]
+    q_len = q.shape[2]
+    if mask is None or q.shape[0] != 1 or q_len < 3 * CAUSAL_BLOCK:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    ends = list(range(CAUSAL_BLOCK, q_len, CAUSAL_BLOCK)) + [q_len]
+    seen = mask[0, 0, [e - 1 for e in ends]].sum(-1).tolist()  # a query sees keys [0, n)
+    outs, start = [], 0
+    for end, n in zip(ends, seen):
+        outs.append(F.scaled_dot_product_attention(
+            q[:, :, start:end], k[:, :, :n], v[:, :, :n], attn_mask=mask[:, :, start:end, :n],
+            scale=scale, enable_gqa=gqa))
+        start = end
+    return torch.cat(outs, 2)
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """engine.attention.PagedAttention over scattered pages against naive causal attention, with
-batches that mix decode steps, verify blocks and prefill chunks (padded in separate groups), and
+batches that mix decode steps, verify blocks and prefill chunks (padded in separate groups; a
+long chunk in blocks of queries or in one call), and
 the bfloat16 decode/verify path's promise: a query's output is bitwise the same alone (a decode
 step) as in a verify block, which is what keeps speculative greedy output equal to plain."""
 
@@ -26,10 +27,14 @@ def naive(q_all, k_all, v_all, scale):
     return out
 
 
+@pytest.mark.parametrize("causal_block", [8, torch_ops.CAUSAL_BLOCK])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_new", [[1, 40, 5, 1], [3, 3], [1, 1, 1], [37], [16, 1, 33, 2]])
-def test_mixed_batches_match_naive(num_new: list[int], dtype: torch.dtype, monkeypatch) -> None:
+def test_mixed_batches_match_naive(num_new: list[int], dtype: torch.dtype, causal_block: int,
+                                   monkeypatch) -> None:
     monkeypatch.setattr(torch_ops, "KEY_CHUNK", 8)  # several chunks on these short contexts
+    # a prefill chunk of 24 or more queries in blocks of 8 (SDPA over each block's keys)
+    monkeypatch.setattr(torch_ops, "CAUSAL_BLOCK", causal_block)
     g = torch.Generator().manual_seed(len(num_new))
     hq, hkv, d, pages = 4, 2, 8, 128
     ctx_lens = [n + int(torch.randint(0, 30, (1,), generator=g)) for n in num_new]
