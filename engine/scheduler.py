@@ -75,15 +75,14 @@ class Scheduler:
         """Returns (this step's batch, sequences that failed admission with an error)."""
         budget = self.config.max_batch_tokens
         decoding = [s for s in self.running if not s.prefilling]
-        if decoding and self._prefill_only < self.config.prefill_first_steps:
+        prefill_first = bool(decoding) and self._prefill_only < self.config.prefill_first_steps
+        if prefill_first:
             items, failed = self._prefills([], budget)
             if items:  # decode rows wait this step
                 self._prefill_only += 1
                 return items, failed
-        else:
-            failed = []
         self._prefill_only = 0
-        items: list[BatchItem] = []
+        items = []
         for seq in decoding:
             if budget <= 0:
                 break
@@ -91,8 +90,9 @@ class Scheduler:
             n = max(1, min(seq.block_size, seq.budget - seq.computed, budget))
             items.append(BatchItem(seq, n))
             budget -= n
-        items, more = self._prefills(items, budget)
-        return items, failed + more
+        if prefill_first:  # nothing to prefill, and admission was tried once this step
+            return items, failed
+        return self._prefills(items, budget)
 
     def _prefills(self, items: list[BatchItem], budget: int
                   ) -> tuple[list[BatchItem], list[Sequence]]:

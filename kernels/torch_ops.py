@@ -109,7 +109,9 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=gqa)
     ends = list(range(CAUSAL_BLOCK, q_len, CAUSAL_BLOCK)) + [q_len]
-    seen = mask[0, 0, [e - 1 for e in ends]].sum(-1).tolist()  # a query sees keys [0, n)
+    # keys [0, n) hold every key a block sees: n is one past its last query's last visible key
+    last = mask[0, 0, [e - 1 for e in ends]]
+    seen = (last.shape[-1] - last.flip(-1).int().argmax(-1)).tolist()
     outs, start = [], 0
     for end, n in zip(ends, seen):
         outs.append(F.scaled_dot_product_attention(
