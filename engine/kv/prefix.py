@@ -104,17 +104,8 @@ class RadixCache:
     def matched_length(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` the tree holds (`match`'s length, read only: no
         split, no access recorded)."""
-        node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            n = common_prefix(child.tokens, tokens[pos:pos + len(child.tokens)])
-            pos += n
-            if n < len(child.tokens):
-                break
-            node = child
-        return pos
+        _, pos, _, inside = self._descend(tokens)
+        return pos + inside
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> RadixNode:
         """Cache `tokens` whose KV lives in `pages` (page table of ceil(len/P) pages); the
@@ -206,19 +197,26 @@ class RadixCache:
 
     def _walk(self, tokens: Sequence[int]) -> tuple[RadixNode, int]:
         """Follow `tokens` down the tree; split the last node if the match ends inside it."""
+        node, pos, child, inside = self._descend(tokens)
+        if child is not None:
+            return self._split(child, inside), pos + inside
+        return node, pos
+
+    def _descend(self, tokens: Sequence[int]
+                 ) -> tuple[RadixNode, int, RadixNode | None, int]:
+        """Follow `tokens` down the tree: the deepest node matched whole, the tokens matched
+        through it, and the child the match ends inside (None if it ends at a node) with how
+        many of its tokens match."""
         node, pos = self.root, 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = 0
-            limit = min(len(child.tokens), len(tokens) - pos)
-            while n < limit and child.tokens[n] == tokens[pos + n]:
-                n += 1
+            n = common_prefix(child.tokens, tokens[pos:pos + len(child.tokens)])
             if n < len(child.tokens):
-                return self._split(child, n), pos + n
+                return node, pos, child, n
             node, pos = child, pos + n
-        return node, pos
+        return node, pos, None, 0
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut `node` after its first n tokens; returns the new upper half (the parent)."""
