@@ -78,7 +78,10 @@ def paged_attention(
     """
     n_tokens, n_heads, head_dim = q.shape
     batch, q_len = q_index.shape
-    q_pad = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[q_index]  # [B, Q, Hq, D]
+    if batch == 1 and q_len == n_tokens:  # one sequence's queries in order (a prefill chunk)
+        q_pad = q.unsqueeze(0)
+    else:
+        q_pad = torch.cat([q, q.new_zeros(1, n_heads, head_dim)])[q_index]  # [B, Q, Hq, D]
     if q_len <= INVARIANT_MAX_QUERIES and q.dtype == torch.bfloat16:
         if plan is None:
             plan = chunk_plan(gather, mask, q_len, k_cache.shape[1])

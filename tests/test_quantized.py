@@ -14,7 +14,8 @@ from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
 from agentflash.engine.cpu.packed import packing_available
-from agentflash.engine.cpu.kernel_linear import WIDEN_ROWS, with_kernel_linears
+from agentflash.engine.cpu.kernel_linear import (WIDEN_ROWS, float32_packing_available,
+                                                  with_kernel_linears)
 from agentflash.engine.cpu.quantized import Int8Linear, quantize_int8
 from agentflash.engine.sampler import SamplingParams
 
@@ -49,6 +50,11 @@ def test_int8_linear_is_its_dequantized_weight_and_row_invariant(shape, bias):
     kernel = with_kernel_linears(layer)
     assert kernel.kernel_rows is None and kernel.qweight is layer.qweight
     assert_rows_independent(kernel, x[:20])
+    # a kept float32 weight (Int8Linear.widen) changes no number of the many-row matmul
+    plain = layer(x).float()
+    layer.widen()
+    assert layer._widened is not None and torch.equal(layer(x).float(), plain)
+    assert torch.equal(layer(x[:7]), kernel(x[:7]))  # few rows: still the kernel
 
 
 @needs_int8
@@ -74,6 +80,12 @@ def test_quantized_engine_speculates_losslessly():
     # the drafter is int8 too (engine.cpu.fastpath's int8-drafter), its rows quantized to int16 in
     # the kernel (dynamic), and drafts with the target's head: the same buffers, used that way
     assert isinstance(drafter.fc, Int8Linear) and drafter.fc.dynamic
+    # where prefill computes float32 (widened-bf16-linears), the int8 layers keep their float32
+    # weights for it (within PACK_FLOAT32_BYTES); the head, always the kernel's, does not
+    widens = "widened-bf16-linears" in plain.fast_paths and float32_packing_available()
+    assert (drafter.fc._widened is not None) == widens
+    assert (target.layers[0].mlp.down_proj._widened is not None) == widens
+    assert drafter.head._widened is None and target.lm_head._widened is None
     assert drafter.head.dynamic and drafter.head.qweight is target.lm_head.qweight
     assert not target.lm_head.dynamic
 

@@ -24,7 +24,8 @@ serves every decode and verify row, so speculative output equals plain output wi
   the kernel for few rows, float32 on the widened weight for prefill chunks, where torch's
   emulated bf16 matmul is ~5x slower than float32 (the runner gives each prefill chunk a forward
   of its own, so a chunk's rows are the same in every run); the widened weights are kept,
-  packed for oneDNN, up to PACK_FLOAT32_BYTES of them. Applied after compiling (the
+  packed for oneDNN, up to PACK_FLOAT32_BYTES of them (with the float32 weights the int8
+  layers' prefill matmuls use, `Int8Linear.widen`). Applied after compiling (the
   programs trace the plain linears). Hybrid models, whose forwards carry prefill chunks and
   verify blocks together, get `KernelLinear`s instead (`cpu-kernel-linears`: every row the
   kernel's, whatever the call).
@@ -180,17 +181,23 @@ def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: b
             drafter.context_kv_proj = nn.ModuleList(
                 kind(*drafter.context_kv_rows(i)) for i in range(len(drafter.layers)))
         swap_linears(drafter, kind)
-    widened = [m for part in (model, drafter) if part is not None for m in part.modules()
-               if isinstance(m, WidenedLinear)]
-    if float32_packing_available() and \
-            4 * sum(m.weight.numel() for m in widened) <= PACK_FLOAT32_BYTES:
+    modules = [m for part in (model, drafter) if part is not None for m in part.modules()]
+    widened = [m for m in modules if isinstance(m, WidenedLinear)]
+    heads = (model.lm_head, None if drafter is None else drafter.head)  # a row or a block's
+    int8 = [m for m in modules if isinstance(m, Int8Linear) and m.kernel_rows is not None
+            and not any(m is head for head in heads)]
+    if float32_packing_available() and 4 * (sum(m.weight.numel() for m in widened) + sum(
+            m.qweight.numel() for m in int8)) <= PACK_FLOAT32_BYTES:
         for m in widened:
             m.pack()
+        for m in int8:
+            m.widen()
 
 
 PACK_FLOAT32_BYTES = 512 << 20
-"""`widened-bf16-linears` keeps packed float32 copies of the widened weights when they take
-this much memory or less (the embedded model's: 38 MB); larger models widen per call."""
+"""`widened-bf16-linears` keeps packed float32 copies of the widened weights (and the float32
+weights of the int8 layers' prefill matmuls: `Int8Linear.widen`) when they take this much memory
+or less (the embedded model's: 38 MB, its int8 drafter's 2 MB); larger models widen per call."""
 
 
 FAST_PATHS: list[FastPath] = [  # in order: quantization first, the layouts take what is left

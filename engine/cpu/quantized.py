@@ -61,6 +61,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self._widened: torch.Tensor | None = None
+
+    def widen(self) -> None:
+        """Keep the float32 weight the matmul of many rows computes with (4x the int8 bytes)
+        instead of dequantizing it every call: the same numbers, without a pass over the
+        weight per prefill chunk (1.3 ms for a 384 x 1152 drafter projection on AVX2)."""
+        self._widened = self.qweight * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_rows is None or x.numel() <= self.kernel_rows * self.in_features:
@@ -71,7 +78,9 @@ class Int8Linear(nn.Module):
             # AVX512-BF16 (the product rounded to bf16 once more)
             y = F.linear(x, self.qweight.to(x.dtype)).float() * self.scale
         else:
-            weight = self.qweight * self.scale[:, None]  # float32 by promotion: one pass
+            weight = self._widened
+            if weight is None:
+                weight = self.qweight * self.scale[:, None]  # float32 by promotion: one pass
             y = F.linear(x.float(), weight)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
