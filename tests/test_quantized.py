@@ -11,12 +11,14 @@ import torch.nn.functional as F
 from agentflash.embedded import embedded_model_dir, model_drafter_dir
 from agentflash.engine.config import SpecConfig
 from agentflash.engine.engine import Engine
-from agentflash.engine.models.dflash import load_drafter
+from agentflash.engine.models.dflash import DFlashDraftModel, load_drafter
 from agentflash.engine.models.loader import load_model
+from agentflash.engine.models.qwen3 import CausalLM
 from agentflash.engine.cpu.packed import packing_available
-from agentflash.engine.cpu.kernel_linear import (WIDEN_ROWS, float32_packing_available,
-                                                  with_kernel_linears)
-from agentflash.engine.cpu.quantized import Int8Linear, quantize_int8
+from agentflash.engine.cpu import fastpath
+from agentflash.engine.cpu.kernel_linear import (WIDEN_ROWS, WidenedLinear,
+                                                  float32_packing_available, with_kernel_linears)
+from agentflash.engine.cpu.quantized import Int8Linear, quantize_drafter_int8, quantize_int8
 from agentflash.engine.sampler import SamplingParams
 
 from conftest import assert_rows_independent, random_linear_case
@@ -82,7 +84,7 @@ def test_quantized_engine_speculates_losslessly():
     assert isinstance(drafter.fc, Int8Linear) and drafter.fc.dynamic
     # where prefill computes float32 (widened-bf16-linears), the int8 layers keep their float32
     # weights for it (within PACK_FLOAT32_BYTES); the head, always the kernel's, does not
-    widens = "widened-bf16-linears" in plain.fast_paths and float32_packing_available()
+    widens = "widened-bf16-linears" in plain.fast_paths
     assert (drafter.fc._widened is not None) == widens
     assert (target.layers[0].mlp.down_proj._widened is not None) == widens
     assert drafter.head._widened is None and target.lm_head._widened is None
@@ -114,3 +116,27 @@ def test_bad_quantize_requests_are_clear():
         Engine(model, quantize="int4")  # removed: slower than int8 (docs/performance.md)
     with pytest.raises(ValueError, match="needs the fast path"):
         Engine(model, quantize="int8", fast_path=False)
+
+
+@needs_int8
+@pytest.mark.skipif(not float32_packing_available(), reason="needs oneDNN float32 prepacking")
+def test_the_float32_budget_packs_the_widened_weights_before_the_int8_copies(monkeypatch):
+    """widened-bf16-linears spends PACK_FLOAT32_BYTES on the target's packed weights first and
+    on the int8 drafter's float32 copies (Int8Linear.widen) with what is left."""
+    def prepared(budget: int) -> tuple[CausalLM, DFlashDraftModel]:
+        target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
+        drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
+        quantize_drafter_int8(drafter)
+        monkeypatch.setattr(fastpath, "PACK_FLOAT32_BYTES", budget)
+        fastpath._kernel_linears(target, drafter, True)
+        return target, drafter
+
+    target, drafter = prepared(1 << 40)
+    widened = 4 * sum(m.weight.numel() for m in target.modules() if isinstance(m, WidenedLinear))
+    both = widened + 4 * drafter.fc.qweight.numel() + 4 * sum(
+        m.qweight.numel() for m in drafter.context_kv_proj) + 4 * sum(
+        m.qweight.numel() for m in drafter.layers.modules() if isinstance(m, Int8Linear))
+    for budget in (widened, both):
+        target, drafter = prepared(budget)
+        assert target.layers[0].mlp.gate_up_proj._packed is not None
+        assert (drafter.fc._widened is not None) == (budget == both)

@@ -186,10 +186,13 @@ def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: b
     heads = (model.lm_head, None if drafter is None else drafter.head)  # a row or a block's
     int8 = [m for m in modules if isinstance(m, Int8Linear) and m.kernel_rows is not None
             and not any(m is head for head in heads)]
-    if float32_packing_available() and 4 * (sum(m.weight.numel() for m in widened) + sum(
-            m.qweight.numel() for m in int8)) <= PACK_FLOAT32_BYTES:
+    budget = PACK_FLOAT32_BYTES  # the widened weights first, then the int8 layers' copies
+    packed = 4 * sum(m.weight.numel() for m in widened)
+    if float32_packing_available() and packed <= budget:
         for m in widened:
             m.pack()
+        budget -= packed
+    if 4 * sum(m.qweight.numel() for m in int8) <= budget:
         for m in int8:
             m.widen()
 
