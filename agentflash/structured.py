@@ -88,8 +88,8 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         # one thread: a compile runs on the server's event loop while the engine's threads use
-        # every core; xgrammar's default 8 threads took 136 ms of intake for 8 requests with new
-        # tool sets on a 2-core EPYC instead of 73, and their last first token 40 ms later
+        # every core; with xgrammar's default 8, the intake of 8 requests with new tool sets took
+        # 136 ms instead of 73 on a 2-core EPYC, their last first token 27-60 ms later
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._vocab_size = vocab_size
         self._cache: dict[str, xgr.CompiledGrammar] = {}

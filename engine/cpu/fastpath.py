@@ -183,15 +183,15 @@ def _kernel_linears(model: CausalLM, drafter: DFlashDraftModel | None, layers: b
         swap_linears(drafter, kind)
     modules = [m for part in (model, drafter) if part is not None for m in part.modules()]
     widened = [m for m in modules if isinstance(m, WidenedLinear)]
-    heads = (model.lm_head, None if drafter is None else drafter.head)  # a row or a block's
+    heads = (model.lm_head, None if drafter is None else drafter.head)  # few rows: the kernel
     int8 = [m for m in modules if isinstance(m, Int8Linear) and m.kernel_rows is not None
             and not any(m is head for head in heads)]
     budget = PACK_FLOAT32_BYTES  # the widened weights first, then the int8 layers' copies
-    packed = 4 * sum(m.weight.numel() for m in widened)
-    if float32_packing_available() and packed <= budget:
+    widened_bytes = 4 * sum(m.weight.numel() for m in widened)
+    if float32_packing_available() and widened_bytes <= budget:
         for m in widened:
             m.pack()
-        budget -= packed
+        budget -= widened_bytes
     if 4 * sum(m.qweight.numel() for m in int8) <= budget:
         for m in int8:
             m.widen()
