@@ -95,8 +95,8 @@ class Engine:
         if drafter is not None:
             block_size = spec.block_size or drafter.config.block_size
             SpecConfig(block_size)  # validates a checkpoint's own block size too
-        prepared = (prepare(model, drafter, quantize, compile, block_size, cache.page_size)
-                    if fast_path else Prepared([]))
+        prepared = (prepare(model, drafter, quantize, compile, block_size, cache.page_size,
+                            scheduler.max_batch_tokens) if fast_path else Prepared([]))
         self.fast_paths = prepared.applied
         self.fast_path_seconds = prepared.seconds
         self.fast_path_s = time.perf_counter() - t0  # preparing the models (once, at start)

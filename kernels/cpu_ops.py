@@ -20,7 +20,8 @@
 
 Each has one implementation per instruction set (`ISAS`, the first the CPU has is built; its
 files are kernels/cpu/<set>/, one op each, compiled with common/'s):
-AVX512-BF16 (`vdpbf16ps` on bfloat16 pairs), AVX512 without bf16 and AVX2 + FMA (bfloat16
+AMX (AVX512-BF16's kernels, and bfloat16 linears by AMX tile dot products: a 16-row verify
+block for about the price of one row), AVX512-BF16 (`vdpbf16ps` on bfloat16 pairs), AVX512 without bf16 and AVX2 + FMA (bfloat16
 widened to float32 in registers, 16 or 8 lanes: CPUs without native bf16, where torch's bf16
 matmul is emulated and slow). All
 compute every output row the same way whatever else shares the call, so a verify block's rows
@@ -64,7 +65,7 @@ COMMON = "common"
 @dataclass(frozen=True)
 class Isa:
     """One instruction set the kernels are written for: its files are kernels/cpu/<name>/, one
-    op each (and, with a `base`, the base set's files it has none of its own for)."""
+    op each (and, with a `base`, the base sets' files it has none of its own for)."""
 
     name: str
     cpu_flags: tuple[str, ...]   # what /proc/cpuinfo must list
@@ -74,6 +75,12 @@ class Isa:
 
 
 ISAS = (  # in order of preference
+    # AVX512-BF16 with AMX tiles (Sapphire Rapids and later Xeons): bfloat16 linears by tiles
+    Isa("amx", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "amx_tile",
+                "amx_bf16"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+         "-mamx-tile", "-mamx-bf16", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"),
+        (("avx512_vnni", "-mavx512vnni"),), base="avx512-bf16"),
     Isa("avx512-bf16", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
          "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"),
@@ -88,14 +95,21 @@ ISAS = (  # in order of preference
 )
 
 
+def _lineage(chosen: Isa) -> list[str]:
+    """The set's folder, then its base's, its base's base's, ..."""
+    names = [chosen.name]
+    while (base := next(c for c in ISAS if c.name == names[-1]).base) is not None:
+        names.append(base)
+    return names
+
+
 def own_sources(chosen: Isa) -> list[Path]:
-    """The set's own implementation files: its folder's, then its base's that it has no file
-    of the same name for."""
-    own = sorted((_DIR / chosen.name).glob("*.cpp"))
-    if chosen.base is not None:
+    """The set's own implementation files: its folder's, then its bases' (nearest first) that
+    it has no file of the same name for."""
+    own: list[Path] = []
+    for folder in _lineage(chosen):
         names = {path.name for path in own}
-        own += [path for path in sorted((_DIR / chosen.base).glob("*.cpp"))
-                if path.name not in names]
+        own += [path for path in sorted((_DIR / folder).glob("*.cpp")) if path.name not in names]
     return own
 
 
@@ -105,7 +119,7 @@ def source_paths(chosen: Isa) -> list[Path]:
 
 
 def _headers(chosen: Isa) -> list[Path]:
-    folders = [COMMON, chosen.name, *([chosen.base] if chosen.base else [])]
+    folders = [COMMON, *_lineage(chosen)]
     return [path for folder in folders for path in sorted((_DIR / folder).glob("*.h"))]
 
 

@@ -1,6 +1,7 @@
 """The CPU fast path (engine.cpu.fastpath, engine.cpu.packed): oneDNN-prepacked bfloat16 linears
 give F.linear's numbers bit for bit at every row count, and an engine with the fast path
-generates exactly what one without it does, plainly and speculatively."""
+generates exactly what one without it does, plainly and speculatively; beside a decode forward,
+the layers serve prefill in buckets of rows (engine.cpu.bucketed)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from agentflash.engine.config import SpecConfig
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
+from agentflash.engine.cpu.bucketed import ROW_BUCKET, BucketedLinear, warm_buckets
+from agentflash.engine.cpu.kernel_linear import KernelLinear
 from agentflash.engine.cpu.packed import PackedLinear
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
 
 from conftest import random_linear_case
-from skips import ONEDNN_BF16
+from skips import CPU_KERNELS, ONEDNN_BF16
 
 pytestmark = ONEDNN_BF16.mark
 
@@ -74,3 +77,43 @@ def test_float32_is_left_as_loaded():
     engine = Engine(model)
     assert engine.fast_paths == [] and model.lm_head is None
     assert isinstance(model.layers[0].mlp.down_proj, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bucketed_linear_rounds_rows_up_to_a_bucket(bias):
+    """Prefill chunks come in every length and oneDNN builds a kernel per matmul shape, so the
+    layers serving them pad x to a multiple of ROW_BUCKET rows: each row is that padded
+    matmul's, whatever the length, and a decode forward made from the layer computes with the
+    CPU kernel on the same weight."""
+    w, b, x = random_linear_case(1024, 384, bias)
+    layer = BucketedLinear(w, b)
+    for rows in (1, ROW_BUCKET - 1, ROW_BUCKET, ROW_BUCKET + 1, x.shape[0]):
+        padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
+        want = F.linear(F.pad(x[:rows], (0, 0, 0, padded - rows)), w, b)[:rows]
+        assert torch.equal(layer(x[:rows]), want), rows
+    assert torch.equal(layer(x.view(3, 11, 384)), layer(x).view(3, 11, 1024))
+    kernel = layer.kernel_only()
+    assert isinstance(kernel, KernelLinear) and kernel.weight is layer.weight
+
+
+def test_warming_the_buckets_runs_each_layer_shape_once_per_bucket():
+    w, b, _ = random_linear_case(64, 32, True)
+    other, _, _ = random_linear_case(96, 32, False)
+    layers = torch.nn.Sequential(BucketedLinear(w, b), BucketedLinear(w.clone(), None),
+                                 BucketedLinear(other, None))
+    assert warm_buckets([layers], 4 * ROW_BUCKET) == 2 * 4  # two shapes, buckets 32..128
+
+
+@CPU_KERNELS.mark
+def test_beside_a_decode_forward_the_layers_serve_prefill_in_buckets():
+    """Where a decode forward takes decode and verify rows (the CPU kernels), the eager layers
+    serve only prefill chunks: bucketed, their kernels built when the engine is made; a second
+    engine on the same model still computes decode rows with the kernel (greedy speculative
+    output equal to plain: tests/test_embedded.py)."""
+    model = load_model(embedded_model_dir(), dtype=torch.bfloat16)
+    engine = Engine(model, compile=False)
+    assert isinstance(model.layers[0].mlp.down_proj, BucketedLinear)
+    assert isinstance(model.lm_head, (PackedLinear, KernelLinear))
+    assert "bucket-warm-up" in engine.fast_path_seconds
+    again = Engine(model, compile=False)
+    assert isinstance(again.runner.decode.step.model.layers[0].mlp.down_proj, KernelLinear)

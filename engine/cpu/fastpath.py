@@ -12,8 +12,10 @@ serves every decode and verify row, so speculative output equals plain output wi
 
 - `onednn-packed-bf16` (CPU, bfloat16, oneDNN with bf16 support): every linear layer's weight is
   reordered once into oneDNN's blocked layout (engine.cpu.packed); the tied lm_head gets a
-  packed copy of the embedding matrix (the embedding lookup keeps the plain one). With the
-  compiled step only the head is packed: the programs hold their own packed weights.
+  packed copy of the embedding matrix (the embedding lookup keeps the plain one). With a
+  decode forward (compiled, or eager on the CPU kernels) only the head is packed, and the
+  layers, which then serve prefill chunks only, round their rows up to a multiple of 32
+  (engine.cpu.bucketed: oneDNN builds a kernel per shape, and chunks come in every length).
 
 - `cpu-kernels` (with the compiled step, where agentflash's CPU kernels run: kernels.cpu_ops,
   AVX512-BF16, AVX512 or AVX2): the programs compute their linears and attention with them, and
@@ -82,6 +84,7 @@ from .compiled import CompiledDraft, CompiledForward
 from .forward import DecodeForward, DraftForward, ModuleDraftForward
 from .kernel_linear import (KernelLinear, WidenedLinear, float32_packing_available,
                             swap_linears)
+from .bucketed import BucketedLinear, warm_buckets
 from .packed import PackedLinear, pack_linears, packing_available
 from .quantized import Int8Linear, quantize_drafter_int8, quantize_linears_int8
 
@@ -158,6 +161,8 @@ def _pack(model: CausalLM, drafter: DFlashDraftModel | None, layers: bool) -> No
     _head_as(model, PackedLinear)  # a tied head packs a copy
     if layers:
         pack_linears(model.layers)
+    else:  # the layers serve prefill chunks only, of every length
+        swap_linears(model.layers, BucketedLinear)
     if drafter is not None and layers:
         if drafter.context_kv_proj is None:
             drafter.context_kv_proj = nn.ModuleList(
@@ -226,13 +231,15 @@ class Prepared:
 
 def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None = None,
             quantize: str | None = None, compile: bool | None = None,
-            block_size: int = 16, page_size: int = 16) -> Prepared:
+            block_size: int = 16, page_size: int = 16, prefill_rows: int = 0) -> Prepared:
     """Apply, in place, every registered transformation that applies to `model` (and its
     drafter). Models stay usable for inference only. quantize="int8" asks for quantized
     weights (CPU, bfloat16 only, where the CPU kernels run: ValueError elsewhere). compile:
     build (or load) the compiled decode/verify forward and the drafter's forward for
     `block_size` (None: unless $AGENTFLASH_COMPILE=0); where none is made and the CPU kernels
-    run, the same forwards run eager on them. A hybrid model is left as it is."""
+    run, the same forwards run eager on them. prefill_rows: the longest prefill chunk, whose
+    bucketed matmul kernels are built now (engine.cpu.bucketed). A hybrid model is left as it
+    is."""
     if isinstance(model, HybridCausalLM):
         # The compiled step exports CausalLM's forward over paged attention alone (no recurrent
         # states to carry), and packing and int8 were never checked against transformers on
@@ -293,6 +300,10 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
                 path.apply(model, drafter, decode is None)
                 applied.append(path.name)
                 seconds[path.name] = time.perf_counter() - t0
+        if "onednn-packed-bf16" in applied and decode is not None and prefill_rows:
+            t0 = time.perf_counter()
+            warm_buckets([m for m in (model, drafter) if m is not None], prefill_rows)
+            seconds["bucket-warm-up"] = time.perf_counter() - t0
     return Prepared(applied, decode, draft, seconds)
 
 

@@ -20,6 +20,7 @@ model in place.
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +93,8 @@ class WidenedLinear(KernelLinear):
 def with_kernel_linears(module: nn.Module) -> nn.Module:
     """A copy of `module` sharing every parameter, with each `nn.Linear` below it (itself
     included) a `KernelLinear` and each layer that takes a call's row count into account (a
-    `WidenedLinear`, engine.cpu.quantized's `Int8Linear`) its `kernel_only()` self;
+    `WidenedLinear`, engine.cpu.quantized's `Int8Linear`, engine.cpu.bucketed's
+    `BucketedLinear`) its `kernel_only()` self;
     `module` is unchanged."""
     if isinstance(module, nn.Linear):
         return KernelLinear(module.weight, module.bias)
@@ -104,9 +106,11 @@ def with_kernel_linears(module: nn.Module) -> nn.Module:
     return clone
 
 
-def swap_linears(module: nn.Module, kind: type[KernelLinear] = WidenedLinear) -> int:
-    """Replace every bfloat16 `nn.Linear` below `module` by a `kind` on the same tensors, in
-    place. Returns how many were replaced."""
+def swap_linears(module: nn.Module,
+                 kind: Callable[[torch.Tensor, torch.Tensor | None], nn.Module] = WidenedLinear
+                 ) -> int:
+    """Replace every bfloat16 `nn.Linear` below `module` by `kind(weight, bias)` on the same
+    tensors, in place. Returns how many were replaced."""
     count = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:

@@ -32,6 +32,7 @@ from torch import nn
 from agentflash.kernels import cpu_ops
 
 from ..models.dflash import DFlashDraftModel
+from .bucketed import bucketed_linear
 from .kernel_linear import WIDEN_ROWS
 from .packed import packing_available
 
@@ -69,6 +70,14 @@ class Int8Linear(nn.Module):
         weight per prefill chunk (1.3 ms for a 384 x 1152 drafter projection on AVX2)."""
         self._widened = self.qweight * self.scale[:, None]
 
+    @property
+    def first_bucketed_rows(self) -> int | None:
+        """The fewest rows whose matmul is bucketed (engine.cpu.bucketed.warm_buckets), or None
+        where none is."""
+        if self.kernel_rows is None or not packing_available():
+            return None
+        return self.kernel_rows + 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_rows is None or x.numel() <= self.kernel_rows * self.in_features:
             return cpu_ops.linear_int8(x, self.qweight, self.scale, self.bias, self.dynamic)
@@ -76,7 +85,10 @@ class Int8Linear(nn.Module):
             # where oneDNN's bf16 matmuls run (as bf16 prefill's do, engine.cpu.fastpath): on the
             # int8 values (exact in bf16), scaled after; 2.6-3.4x float32's speed at 512 rows on
             # AVX512-BF16 (the product rounded to bf16 once more)
-            y = F.linear(x, self.qweight.to(x.dtype)).float() * self.scale
+            # (rows padded: engine.cpu.bucketed)
+            flat = x.reshape(-1, self.in_features)
+            y = bucketed_linear(flat, self.qweight.to(x.dtype)).view(*x.shape[:-1], -1)
+            y = y.float() * self.scale
         else:
             weight = self._widened
             if weight is None:

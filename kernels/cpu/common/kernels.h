@@ -42,6 +42,10 @@ void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1);
 void linear_int8_columns(const LinearArgs& a, int64_t n0, int64_t n1);
 // The same for int8 W with x's rows quantized to 16-bit integers first (linear_dynamic_<isa>.cpp).
 void linear_int8_dynamic_columns(const LinearArgs& a, int64_t n0, int64_t n1);
+// Every row of y for bfloat16 W by AMX tiles, threads splitting W's rows (amx/linear_amx.cpp; only
+// in the amx set's library). False, with nothing computed, where W's shape (K a multiple of 32,
+// N of 16) or the OS does not allow it: a property of the shape and the process, never of M.
+bool linear_amx(const LinearArgs& a);
 
 // The levels linear_int8_dynamic quantizes x's rows to (x -> round(x * Q / max |x|)) for rows of
 // K: the most, up to 32767, for which no sum of K products with int8 weights (|q| <= 128, K

@@ -10,7 +10,8 @@
 // without native bf16 (AVX2) torch's bf16 matmul is slower still. W is read in its checkpoint
 // layout (no packed copy). This file checks the arguments and splits W's rows over threads;
 // <isa>/linear.cpp (and, on AVX2, avx2/linear_int8.cpp) compute them (kernels.h: every output
-// by the same instruction sequence).
+// by the same instruction sequence); in the amx set, amx/linear_amx.cpp computes bfloat16
+// weights of the shapes its tiles take.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,12 +28,13 @@ namespace {
 // Threads take W's rows in multiples of this (a multiple of every implementation's tile width).
 constexpr int64_t kColumns = 24;
 
-// y = x W^T with the rest of `a` filled in from the tensors (bias, residual, y), threads
-// splitting W's N rows.
+// y = x W^T with the rest of `a` filled in from the tensors (bias, residual, y): by `whole`
+// where it takes the call, else by `columns`, threads splitting W's N rows.
 at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                agentflash_cpu::LinearArgs a,
-               void (*columns)(const agentflash_cpu::LinearArgs&, int64_t, int64_t)) {
+               void (*columns)(const agentflash_cpu::LinearArgs&, int64_t, int64_t),
+               bool (*whole)(const agentflash_cpu::LinearArgs&) = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
@@ -57,6 +59,7 @@ at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
   a.M = M;
   a.K = K;
   a.N = N;
+  if (whole != nullptr && whole(a)) return y;
   const int64_t blocks = (N + kColumns - 1) / kColumns;
   // at least ~16 KB of weights per task: smaller ones cost more to hand out than to compute
   const int64_t grain = std::max<int64_t>(1, 16384 / (2 * kColumns * std::max<int64_t>(K, 1)));
@@ -106,7 +109,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   agentflash_cpu::LinearArgs a{};
   a.w = reinterpret_cast<const uint16_t*>(wc.data_ptr());
   a.ldw = wc.stride(0);
+#ifdef __AMX_BF16__
+  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns, linear_amx);
+#else
   return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns);
+#endif
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,

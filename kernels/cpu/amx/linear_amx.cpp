@@ -1,0 +1,169 @@
+// The AMX implementation of `linear_amx` (kernels.h): y = x W^T (+ bias) (+ residual) for
+// bfloat16 x and W by Intel AMX tile dot products (`tdpbf16ps`), on CPUs with AMX-BF16
+// (Sapphire Rapids and later Xeons).
+//
+// The tiles compute y^T = W x^T: an A tile is 16 rows of W by 32 elements read in place (W's
+// checkpoint layout, no packed copy), the B tile 32 elements of up to 16 rows of x laid out in
+// pairs (x^T in AMX's VNNI order, built once a call; one row of x is that layout already), a C
+// tile 16 rows of W by those rows of x in float32. Every output y[m, n] is accumulated by one
+// `tdpbf16ps` per 32 elements of K, in order, into its own C element, whose value does not
+// depend on the tile's other elements: the same numbers whatever M, the block of x it is in or
+// the thread that computes it, so a verify block's rows are bitwise the decode steps' rows.
+// Then the bias and the residual are added and the sum rounded once to bfloat16.
+//
+// Why: the AVX512-BF16 kernel (avx512-bf16/linear.cpp) reads W once a call but computes at
+// `vdpbf16ps`'s rate, so a 16-row verify block costs ~4x a decode row; a tile does 16 rows in
+// the time of one, and a call stays bound by reading W (docs/performance.md, "AMX Xeon").
+// Shapes the tiles do not cover (K not a multiple of 32, N not of 16) and processes the OS
+// refuses the tile state to are left to the AVX512-BF16 kernel (linear_amx returns false): by
+// shape and process, never by row count.
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../common/kernels.h"
+#include "../avx512/simd.h"
+
+namespace {
+
+constexpr int64_t kRows = 16;   // rows of x in a B tile (and rows of W in an A tile)
+constexpr int64_t kDepth = 32;  // elements of K a tile dot product takes
+constexpr int kGroup = 4;       // C tiles a task keeps: 4 x 16 rows of W share each B tile
+
+// Linux hands a process the AMX tile state only when asked (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); threads started later inherit it.
+bool tiles_granted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (16 rows of W x `columns` rows of x, float32); 4: B (16 pairs of K x `columns`
+// rows of x); 5, 6: A (16 rows of W x 32 elements of K). A tile's results are the same whatever
+// its number of columns: each is its own dot product.
+void configure_tiles(int64_t columns) {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = kRows;
+    config.colsb[t] = t < 5 ? static_cast<uint16_t>(4 * columns) : 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// c[j] (16 x `columns` float32: row i, column m) = W[16 j + i, :] . x_m for the NB 16-row
+// blocks of W from w; xv holds `columns` rows of x in pairs: xv[p][m] = (x[m, 2p], x[m, 2p + 1]).
+template <int NB>
+void dot_tiles(const uint16_t* xv, int64_t columns, const uint16_t* w, int64_t ldw, int64_t K,
+               float* c) {
+  const int64_t stride = ldw * 2;  // bytes between W's rows
+  const int64_t pairs = 4 * columns;  // bytes between pairs of K in xv
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  for (int64_t k = 0; k < K; k += kDepth) {
+    _tile_loadd(4, xv + k * columns, pairs);
+    _tile_loadd(5, w + k, stride);
+    _tile_dpbf16ps(0, 5, 4);
+    if constexpr (NB > 1) {
+      _tile_loadd(6, w + kRows * ldw + k, stride);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if constexpr (NB > 2) {
+      _tile_loadd(5, w + 2 * kRows * ldw + k, stride);
+      _tile_dpbf16ps(2, 5, 4);
+    }
+    if constexpr (NB > 3) {
+      _tile_loadd(6, w + 3 * kRows * ldw + k, stride);
+      _tile_dpbf16ps(3, 6, 4);
+    }
+  }
+  const int64_t tile = kRows * columns;
+  _tile_stored(0, c, pairs);
+  if constexpr (NB > 1) _tile_stored(1, c + tile, pairs);
+  if constexpr (NB > 2) _tile_stored(2, c + 2 * tile, pairs);
+  if constexpr (NB > 3) _tile_stored(3, c + 3 * tile, pairs);
+}
+
+}  // namespace
+
+namespace agentflash_cpu {
+
+bool linear_amx(const LinearArgs& a) {
+  if (a.w == nullptr || a.K % kDepth != 0 || a.N % kRows != 0 || !tiles_granted()) return false;
+  const int64_t M = a.M, K = a.K, N = a.N;
+  const int64_t blocks = (M + kRows - 1) / kRows;
+  // x in pairs, 16 rows at a time (the last block has the rest): block b holds rows
+  // 16 b .. 16 b + cols - 1 as xv[p][m] = x[16 b + m, 2p : 2p + 2]; one row is x itself
+  thread_local std::vector<uint32_t> pairs;
+  const uint16_t* xv = a.x;
+  if (M > 1) {
+    pairs.resize(M * (K / 2));
+    for (int64_t m = 0; m < M; ++m) {
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(a.x + m * a.ldx);
+      const int64_t b = m / kRows, cols = std::min(kRows, M - b * kRows);
+      uint32_t* dst = pairs.data() + b * kRows * (K / 2) + m % kRows;
+      for (int64_t p = 0; p < K / 2; ++p) dst[p * cols] = row[p];
+    }
+    xv = reinterpret_cast<const uint16_t*>(pairs.data());
+  }
+  const int64_t span = kGroup * kRows;  // rows of W a task's step covers
+  const int64_t groups = (N + span - 1) / span;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float c[kGroup * kRows * kRows];
+    int64_t configured = 0;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * span;
+      const int nb = static_cast<int>(std::min<int64_t>(kGroup, (N - n0) / kRows));
+      const uint16_t* w = a.w + n0 * a.ldw;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t cols = std::min(kRows, M - b * kRows);
+        if (cols != configured) {
+          configure_tiles(cols);
+          configured = cols;
+        }
+        const uint16_t* block = xv + b * kRows * K;
+        switch (nb) {
+          case 4: dot_tiles<4>(block, cols, w, a.ldw, K, c); break;
+          case 3: dot_tiles<3>(block, cols, w, a.ldw, K, c); break;
+          case 2: dot_tiles<2>(block, cols, w, a.ldw, K, c); break;
+          default: dot_tiles<1>(block, cols, w, a.ldw, K, c); break;
+        }
+        // y[m, n0 + 16 j + i] = c[(16 j + i) * cols + m]: 16 outputs cols apart
+        const __m512i column = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(static_cast<int>(cols)));
+        for (int64_t i = 0; i < cols; ++i) {
+          const int64_t m = b * kRows + i;
+          for (int j = 0; j < nb; ++j) {
+            const int64_t n = n0 + j * kRows;
+            const float* sums_at = c + j * kRows * cols + i;
+            __m512 sums = cols == 1 ? _mm512_loadu_ps(sums_at)
+                                    : _mm512_i32gather_ps(column, sums_at, 4);
+            if (a.bias != nullptr) sums = _mm512_add_ps(sums, _mm512_loadu_ps(a.bias + n));
+            if (a.residual != nullptr)
+              sums = _mm512_add_ps(sums, widen_bf16(a.residual + m * a.ldy + n));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.ldy + n),
+                                (__m256i)_mm512_cvtneps_pbh(sums));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return true;
+}
+
+}  // namespace agentflash_cpu
