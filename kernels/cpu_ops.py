@@ -20,8 +20,8 @@
 
 Each has one implementation per instruction set (`ISAS`, the first the CPU has is built; its
 files are kernels/cpu/<set>/, one op each, compiled with common/'s):
-AMX (AVX512-BF16's kernels, and bfloat16 linears by AMX tile dot products: a 16-row verify
-block for about the price of one row), AVX512-BF16 (`vdpbf16ps` on bfloat16 pairs), AVX512 without bf16 and AVX2 + FMA (bfloat16
+AMX (AVX512-BF16's kernels, with bfloat16 linears and attention by AMX tile dot products: a
+16-row verify block for little more than one row), AVX512-BF16 (`vdpbf16ps` on bfloat16 pairs), AVX512 without bf16 and AVX2 + FMA (bfloat16
 widened to float32 in registers, 16 or 8 lanes: CPUs without native bf16, where torch's bf16
 matmul is emulated and slow). All
 compute every output row the same way whatever else shares the call, so a verify block's rows

@@ -1,8 +1,8 @@
-"""agentflash's CPU kernels (kernels.cpu_ops, built for AVX512-BF16 or AVX2): close to a float32
-reference, and each row bitwise independent of what else is in the call (what makes a verify
-block's rows the decode steps' rows). Their use in the compiled step: tests/test_compiled.py,
-tests/test_embedded.py. On a CPU with AVX512-BF16 the AVX2 build runs this file too (in a process
-that asks for it)."""
+"""agentflash's CPU kernels (kernels.cpu_ops, built for AMX, AVX512-BF16, AVX512 or AVX2): close
+to a float32 reference, and each row bitwise independent of what else is in the call (what makes
+a verify block's rows the decode steps' rows). Their use in the compiled step:
+tests/test_compiled.py, tests/test_embedded.py. On a CPU with a better set, the builds below it
+run this file too (in a process that asks for them)."""
 
 from __future__ import annotations
 

@@ -18,48 +18,30 @@
 // refuses the tile state to are left to the AVX512-BF16 kernel (linear_amx returns false): by
 // shape and process, never by row count.
 
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "../common/kernels.h"
 #include "../avx512/simd.h"
+#include "tiles.h"
 
 namespace {
+
+using agentflash_cpu::TileConfig;
+using agentflash_cpu::tiles_granted;
 
 constexpr int64_t kRows = 16;   // rows of x in a B tile (and rows of W in an A tile)
 constexpr int64_t kDepth = 32;  // elements of K a tile dot product takes
 constexpr int kGroup = 4;       // C tiles a task keeps: 4 x 16 rows of W share each B tile
-
-// Linux hands a process the AMX tile state only when asked (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); threads started later inherit it.
-bool tiles_granted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: C (16 rows of W x `columns` rows of x, float32); 4: B (16 pairs of K x `columns`
 // rows of x); 5, 6: A (16 rows of W x 32 elements of K). A tile's results are the same whatever
 // its number of columns: each is its own dot product.
 void configure_tiles(int64_t columns) {
   TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = kRows;
-    config.colsb[t] = t < 5 ? static_cast<uint16_t>(4 * columns) : 64;
-  }
-  _tile_loadconfig(&config);
+  for (int t = 0; t < 7; ++t) config.shape(t, kRows, t < 5 ? static_cast<int>(4 * columns) : 64);
+  config.load();
 }
 
 // c[j] (16 x `columns` float32: row i, column m) = W[16 j + i, :] . x_m for the NB 16-row

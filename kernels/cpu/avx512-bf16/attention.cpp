@@ -11,64 +11,21 @@
 // once to bfloat16. That sequence depends only on the query, its keys and how many it sees,
 // never on what else is in the call or which thread runs it.
 
-#include <ATen/cpu/vec/vec.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <vector>
 
-#include "../common/kernels.h"
-#include "../avx512/simd.h"
+#include "attention_blocks.h"
 
 namespace {
 
 using agentflash_cpu::KvSource;
 using agentflash_cpu::QueryRun;
-using agentflash_cpu::store_bf16;
-using agentflash_cpu::transpose16;
-
-constexpr int kBlock = 16;      // keys per block
-
-inline __m512 exp16(__m512 x) { return at::vec::Vectorized<float>(x).exp_u20(); }
-
-// A block of 16 keys and values laid out for `vdpbf16ps` (keys past `n` are zeros):
-// keys[i] lane j = the i-th pair of key j's elements (2i, 2i+1), so a query's 16 scores are
-// D/2 dot-product steps with no sum across lanes; values[p * D/16 + c] lane e = the pair
-// (key 2p, key 2p+1) of element 16c + e, so the output takes 8 steps per 16 elements.
-template <int D>
-inline void pack_block(const uint16_t* const* kr, const uint16_t* const* vr, int n,
-                       __m512i* keys, __m512i* values) {
-#pragma GCC unroll 1
-  for (int c = 0; c < D / 32; ++c) {
-    __m512i rows[16], cols[16];
-    for (int j = 0; j < 16; ++j)
-      rows[j] = j < n ? _mm512_loadu_si512(kr[j] + 32 * c) : _mm512_setzero_si512();
-    transpose16(rows, cols);
-    for (int w = 0; w < 16; ++w) keys[16 * c + w] = cols[w];
-  }
-  for (int p = 0; p < 8; ++p)
-    for (int c = 0; c < D / 16; ++c) {
-      const __m512i lo = 2 * p < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                         reinterpret_cast<const __m256i*>(vr[2 * p] + 16 * c)))
-                                   : _mm512_setzero_si512();
-      const __m512i hi =
-          2 * p + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                              reinterpret_cast<const __m256i*>(vr[2 * p + 1] + 16 * c)))
-                        : _mm512_setzero_si512();
-      values[p * (D / 16) + c] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-    }
-}
-
-// The running softmax state of a run's query heads: row r is query t0 + r / G, head r % G.
-struct Rows {
-  std::vector<float> max, sum, out;  // [R], [R], [R * D]
-  void reset(int64_t rows, int64_t dim) {
-    max.assign(rows, -std::numeric_limits<float>::infinity());
-    sum.assign(rows, 0.f);
-    out.assign(rows * dim, 0.f);
-  }
-};
+using agentflash_cpu::Rows;
+using agentflash_cpu::kBlock;
+using agentflash_cpu::PackedBlock;
+using agentflash_cpu::softmax_step;
+using agentflash_cpu::store_rows;
 
 // A query head's 16 scores for a block: scaled dot products with its first `valid` keys (the
 // rest -inf), in 8 chains of `vdpbf16ps` added by a fixed tree.
@@ -94,11 +51,8 @@ __attribute__((always_inline)) inline __m512 scores(const uint16_t* q, const __m
 }
 
 // Up to 16 rows' state after a block (row[i] sees the block's first valid[i] keys, 1..16): their
-// scores, the online softmax step (running max and sum, the output rescaled by exp(old - new
-// max)), and the values weighted by the probabilities rounded to bfloat16 pairs. The rows go
-// together so their steps overlap; each lane of the cross-lane trees (avx512/simd.h) reduces one
-// row's vector by the same tree whatever its slot, so a row's result depends on its query and
-// keys alone.
+// scores, the online softmax step, and the values weighted by the probabilities rounded to
+// bfloat16 pairs; a row's result depends on its query and keys alone.
 template <int D>
 __attribute__((always_inline)) inline void update_rows(Rows& st, const int64_t* row,
                                                        const uint16_t* const* q,
@@ -110,24 +64,9 @@ __attribute__((always_inline)) inline void update_rows(Rows& st, const int64_t* 
   for (int i = 0; i < 16; ++i)
     s[i] = i < n ? scores<D>(q[i], keys, valid[i], scale)
                  : _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(64) float old_max[16] = {}, old_sum[16] = {}, top[16], rescale[16];
+  alignas(64) float rescale[16];
+  softmax_step(st, row, n, s, p, rescale);
   for (int i = 0; i < n; ++i) {
-    old_max[i] = st.max[row[i]];
-    old_sum[i] = st.sum[row[i]];
-  }
-  const __m512 m = _mm512_max_ps(_mm512_load_ps(old_max), agentflash_cpu::lane_maxes(s));
-  _mm512_store_ps(top, m);
-  const __m512 r = exp16(_mm512_sub_ps(_mm512_load_ps(old_max), m));  // exp(0) = 1 exactly
-  _mm512_store_ps(rescale, r);
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i)
-    p[i] = i < n ? exp16(_mm512_sub_ps(s[i], _mm512_set1_ps(top[i]))) : _mm512_setzero_ps();
-  alignas(64) float sum[16];
-  _mm512_store_ps(sum, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(old_sum), r),
-                                     agentflash_cpu::lane_sums(p)));
-  for (int i = 0; i < n; ++i) {
-    st.max[row[i]] = top[i];
-    st.sum[row[i]] = sum[i];
     alignas(32) uint32_t pairs[8];  // the 16 weights as 8 bfloat16 pairs
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), (__m256i)_mm512_cvtneps_pbh(p[i]));
     float* out = st.out.data() + row[i] * D;
@@ -156,8 +95,7 @@ __attribute__((always_inline)) inline void update_rows(Rows& st, const int64_t* 
 
 template <int D>
 void attend(const KvSource& src, const QueryRun& run) {
-  alignas(64) __m512i kblock[D / 2];
-  alignas(64) __m512i vblock[8 * (D / 16)];
+  PackedBlock<D> block;
   const int64_t t0 = run.t0, t1 = run.t1, g = run.g, G = run.G;
   const int64_t* keys = run.keys;
   thread_local Rows st;
@@ -166,7 +104,7 @@ void attend(const KvSource& src, const QueryRun& run) {
   agentflash_cpu::KeyChunks<kBlock> blocks(src, g, D, longest);
   for (int64_t k0 = 0; k0 < longest; k0 += kBlock) {
     const int in_block = blocks.advance(k0);
-    pack_block<D>(blocks.kr, blocks.vr, in_block, kblock, vblock);
+    block.pack(blocks.kr, blocks.vr, in_block);
     // the rows that see any of this block's keys, 16 at a time (rows that see none are left
     // untouched, as in a call without them)
     int64_t row[16];
@@ -180,21 +118,14 @@ void attend(const KvSource& src, const QueryRun& run) {
         q[n] = run.q + (t * run.Hq + g * G + h) * D;
         valid[n] = static_cast<int>(std::min<int64_t>(kBlock, keys[t] - k0));
         if (++n == 16) {
-          update_rows<D>(st, row, q, valid, n, kblock, vblock, run.scale);
+          update_rows<D>(st, row, q, valid, n, block.keys, block.values, run.scale);
           n = 0;
         }
       }
     }
-    if (n > 0) update_rows<D>(st, row, q, valid, n, kblock, vblock, run.scale);
+    if (n > 0) update_rows<D>(st, row, q, valid, n, block.keys, block.values, run.scale);
   }
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t h = 0; h < G; ++h) {
-      const int64_t r = (t - t0) * G + h;
-      const __m512 total = _mm512_set1_ps(st.sum[r]);
-      uint16_t* dst = run.out + (t * run.Hq + g * G + h) * D;
-      for (int64_t d = 0; d < D; d += 16)
-        store_bf16(dst + d, _mm512_div_ps(_mm512_loadu_ps(st.out.data() + r * D + d), total));
-    }
+  store_rows<D>(st, run);
 }
 
 }  // namespace

@@ -109,10 +109,14 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
   const auto bf16 = [](const at::Tensor& t) {
     return reinterpret_cast<const uint16_t*>(t.data_ptr());
   };
-  attend_all({bf16(qc), bf16(k_cache), bf16(v_cache), table, P, page_size, seq, keys, Hq, Hkv,
-              D, static_cast<float>(scale), with_new ? bf16(kn_c) : nullptr,
-              with_new ? bf16(vn_c) : nullptr, pooled, new_rows,
-              reinterpret_cast<uint16_t*>(out.data_ptr()), &runs});
+  const AttentionCall call{bf16(qc), bf16(k_cache), bf16(v_cache), table, P, page_size, seq,
+                           keys, Hq, Hkv, D, static_cast<float>(scale),
+                           with_new ? bf16(kn_c) : nullptr, with_new ? bf16(vn_c) : nullptr,
+                           pooled, new_rows, reinterpret_cast<uint16_t*>(out.data_ptr()), &runs};
+#ifdef __AMX_BF16__
+  if (attend_all_amx(call)) return out;
+#endif
+  attend_all(call);
   return out;
 }
 

@@ -124,6 +124,9 @@ struct AttentionCall {
 
 // Every output of the call (this instruction set's kernels and split of the work over threads).
 void attend_all(const AttentionCall& call);
+// The same by AMX tiles (amx/attention_amx.cpp; only in the amx set's library). False, with
+// nothing computed, where the OS does not grant the tile state (a property of the process).
+bool attend_all_amx(const AttentionCall& call);
 
 constexpr int64_t kMaxHeadDim = 256;
 

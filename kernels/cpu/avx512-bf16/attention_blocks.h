@@ -1,0 +1,106 @@
+// What the AVX512-BF16 and AMX attention kernels (avx512-bf16/attention.cpp,
+// amx/attention.cpp) share: blocks of 16 keys packed for bfloat16 dot products, the running
+// softmax state of a run's query heads and its online step.
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "../avx512/simd.h"
+#include "../common/kernels.h"
+
+namespace agentflash_cpu {
+
+constexpr int kBlock = 16;      // keys per block
+
+inline __m512 exp16(__m512 x) { return at::vec::Vectorized<float>(x).exp_u20(); }
+
+// A block of 16 keys and values laid out for `vdpbf16ps` (keys past `n` are zeros):
+// keys[i] lane j = the i-th pair of key j's elements (2i, 2i+1), so a query's 16 scores are
+// D/2 dot-product steps with no sum across lanes; values[p * D/16 + c] lane e = the pair
+// (key 2p, key 2p+1) of element 16c + e, so the output takes 8 steps per 16 elements.
+template <int D>
+struct PackedBlock {
+  alignas(64) __m512i keys[D / 2];
+  alignas(64) __m512i values[8 * (D / 16)];
+
+  // the keys kr[0 .. n-1] and their values vr[0 .. n-1]
+  void pack(const uint16_t* const* kr, const uint16_t* const* vr, int n) {
+#pragma GCC unroll 1
+    for (int c = 0; c < D / 32; ++c) {
+      __m512i rows[16], cols[16];
+      for (int j = 0; j < 16; ++j)
+        rows[j] = j < n ? _mm512_loadu_si512(kr[j] + 32 * c) : _mm512_setzero_si512();
+      transpose16(rows, cols);
+      for (int w = 0; w < 16; ++w) keys[16 * c + w] = cols[w];
+    }
+    for (int p = 0; p < 8; ++p)
+      for (int c = 0; c < D / 16; ++c) {
+        const __m512i lo = 2 * p < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                           reinterpret_cast<const __m256i*>(vr[2 * p] + 16 * c)))
+                                     : _mm512_setzero_si512();
+        const __m512i hi =
+            2 * p + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(vr[2 * p + 1] + 16 * c)))
+                          : _mm512_setzero_si512();
+        values[p * (D / 16) + c] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+      }
+  }
+};
+
+// The running softmax state of a run's query heads: row r is query t0 + r / G, head r % G.
+struct Rows {
+  std::vector<float> max, sum, out;  // [R], [R], [R * D]
+  void reset(int64_t rows, int64_t dim) {
+    max.assign(rows, -std::numeric_limits<float>::infinity());
+    sum.assign(rows, 0.f);
+    out.assign(rows * dim, 0.f);
+  }
+};
+
+// The online softmax step of up to 16 rows after a block, given their scores s[0 .. n-1]
+// (scaled; -inf for keys a row does not see): each row's running maximum and sum updated, p[i]
+// its weights exp(s - new max) (0 past n), rescale[i] = exp(old max - new max), what its output
+// so far is multiplied by. The rows go together so their steps overlap; each lane of the
+// cross-lane trees (avx512/simd.h) reduces one row's vector by the same tree whatever its slot,
+// so a row's result depends on its own scores alone.
+__attribute__((always_inline)) inline void softmax_step(Rows& st, const int64_t* row, int n,
+                                                        const __m512 (&s)[16], __m512 (&p)[16],
+                                                        float* rescale) {
+  alignas(64) float old_max[16] = {}, old_sum[16] = {}, top[16];
+  for (int i = 0; i < n; ++i) {
+    old_max[i] = st.max[row[i]];
+    old_sum[i] = st.sum[row[i]];
+  }
+  const __m512 m = _mm512_max_ps(_mm512_load_ps(old_max), lane_maxes(s));
+  _mm512_store_ps(top, m);
+  const __m512 r = exp16(_mm512_sub_ps(_mm512_load_ps(old_max), m));  // exp(0) = 1 exactly
+  _mm512_store_ps(rescale, r);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i)
+    p[i] = i < n ? exp16(_mm512_sub_ps(s[i], _mm512_set1_ps(top[i]))) : _mm512_setzero_ps();
+  alignas(64) float sum[16];
+  _mm512_store_ps(sum, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(old_sum), r), lane_sums(p)));
+  for (int i = 0; i < n; ++i) {
+    st.max[row[i]] = top[i];
+    st.sum[row[i]] = sum[i];
+  }
+}
+
+// Each row's output, its weighted values divided by its sum, rounded once to bfloat16 (row r:
+// query t0 + r / G of the run, head r % G).
+template <int D>
+inline void store_rows(const Rows& st, const QueryRun& run) {
+  const int64_t rows = (run.t1 - run.t0) * run.G;
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 total = _mm512_set1_ps(st.sum[r]);
+    uint16_t* dst = run.out + ((run.t0 + r / run.G) * run.Hq + run.g * run.G + r % run.G) * D;
+    for (int64_t d = 0; d < D; d += 16)
+      store_bf16(dst + d, _mm512_div_ps(_mm512_loadu_ps(st.out.data() + r * D + d), total));
+  }
+}
+
+}  // namespace agentflash_cpu
