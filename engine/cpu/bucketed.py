@@ -1,15 +1,16 @@
 """Linear layers that round their row count up for oneDNN: the CPU bfloat16 prefill path beside
-a compiled decode step.
+a decode forward (compiled, or eager on the CPU kernels).
 
 oneDNN builds (JIT-compiles) a kernel for every matmul shape it meets and caches it; a new row
 count costs ~1 ms a layer shape (AMX Xeon, 2 threads: the embedded model's 24 layer linears 8.7
 ms at a row count they had not seen, 3.5 ms at one they had). Prefill chunks come in every
-length (each prompt's new tokens), so each chunk paid for new kernels. `BucketedLinear` (and
-the prefill matmul of engine.cpu.quantized's int8 layers, `bucketed_linear`) pads x with zero rows to the next multiple of `ROW_BUCKET` and drops them from the output: at most
-512 / 32 = 16 shapes a layer, built once per process. Each chunk length always takes the same
-padded shape, so a prompt's numbers are the same in every run. `warm_buckets` builds every
-bucket's kernels when the engine is made (0.2 s for the embedded model and its drafter), so
-that no request pays for them.
+length (each prompt's new tokens), so each chunk paid for new kernels. `BucketedLinear` (and,
+through `bucketed_linear`, the prefill matmul of engine.cpu.quantized's int8 layers) pads x with
+zero rows to the next multiple of `ROW_BUCKET` and drops them from the output: 16 shapes a layer
+at the scheduler's default 512-token chunks. Each chunk length always takes the same padded
+shape, so a prompt's numbers are the same in every run. `warm_buckets` builds every bucket's
+kernels when the engine is made (0.17 s for the embedded model and its drafter), so that no
+request pays for them.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ serves every decode and verify row, so speculative output equals plain output wi
   (engine.cpu.bucketed: oneDNN builds a kernel per shape, and chunks come in every length).
 
 - `cpu-kernels` (with the compiled step, where agentflash's CPU kernels run: kernels.cpu_ops,
-  AVX512-BF16, AVX512 or AVX2): the programs compute their linears and attention with them, and
+  AMX, AVX512-BF16, AVX512 or AVX2): the programs compute their linears and attention with them, and
   the head becomes a `KernelLinear` on the checkpoint's matrix (engine.cpu.compiled).
 
 - `widened-bf16-linears` (CPU, bfloat16, no native bf16 matmuls, where the CPU kernels run):
@@ -80,11 +80,11 @@ from ..models.moe import Experts
 from ..models.qwen3 import CausalLM
 from ..models.qwen3_5 import HybridCausalLM
 from . import compiled as compiled_step
+from .bucketed import BucketedLinear, warm_buckets
 from .compiled import CompiledDraft, CompiledForward
 from .forward import DecodeForward, DraftForward, ModuleDraftForward
 from .kernel_linear import (KernelLinear, WidenedLinear, float32_packing_available,
                             swap_linears)
-from .bucketed import BucketedLinear, warm_buckets
 from .packed import PackedLinear, pack_linears, packing_available
 from .quantized import Int8Linear, quantize_drafter_int8, quantize_linears_int8
 
