@@ -18,7 +18,7 @@ constrained decoding, so constrained greedy output is identical with and without
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -55,6 +55,19 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     keep = allowed[..., :n].to(logits.device)
     out[..., :n] = torch.where(keep, logits[..., :n], out[..., :n])
     return out
+
+
+def mask_rows_(logits: torch.Tensor, masks: Sequence[torch.Tensor]) -> None:
+    """In place, for each row k of logits [R, V] that has a mask: `masked(logits[k], masks[k])`,
+    all rows in one call (a verify block's rows are judged together)."""
+    rows = min(logits.shape[0], len(masks))
+    allowed = torch.stack(list(masks[:rows])).to(logits.device)
+    if not bool(allowed.any(dim=1).all()):
+        raise RequestError("the output constraint allows no next token")
+    n = min(allowed.shape[-1], logits.shape[-1])
+    part = logits[:rows]
+    part[:, n:] = float("-inf")
+    part[:, :n].masked_fill_(~allowed[:, :n], float("-inf"))
 
 
 def propose(

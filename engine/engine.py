@@ -23,7 +23,7 @@ from .accounting import Accounting, Completion, EngineCounters, SeqUpdate
 from .batch import BatchItem
 from .calibration import measure_prefill_cost, step_costs
 from .config import CacheConfig, PrefillCost, SchedulerConfig, SpecConfig
-from .constraint import TokenConstraint, masked, settle
+from .constraint import TokenConstraint, mask_rows_, settle
 from .cpu.fastpath import Prepared, prepare
 from .drafter_runner import DrafterRunner, NoDrafter
 from .drafts import ContextDrafts, DraftSource, DrafterDrafts, PredictionDrafts
@@ -355,9 +355,7 @@ class Engine:
         constraint = item.seq.constraint
         assert constraint is not None
         t_grammar = time.perf_counter()
-        masks = item.masks if item.verifies else [constraint.allowed()]
-        for k, mask in zip(range(logits.shape[0]), masks):
-            logits[k] = masked(logits[k], mask)
+        mask_rows_(logits, item.masks if item.verifies else [constraint.allowed()])
         item.seq.counters.grammar_s += time.perf_counter() - t_grammar
 
     def _commit(self, item: BatchItem, draft: list[int], verdict: Verdict,

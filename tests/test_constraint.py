@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from agentflash.engine.config import CacheConfig, SpecConfig, StepCost
+from agentflash.engine.constraint import mask_rows_, masked
 from agentflash.engine.engine import Engine
 from agentflash.engine.errors import RequestError
 from agentflash.engine.sampler import SamplingParams
@@ -182,3 +183,23 @@ def test_failing_constraint_fails_only_its_sequence(pair):
     assert obeys(failed.output_ids, 3) and len(failed.output_ids) <= 3
     engine.kv.check_integrity()
     assert engine.stats()["pages_referenced"] == 0
+
+
+def test_masking_a_verify_blocks_rows_at_once_is_masking_each_row():
+    """A verify block's rows are masked in one call (engine._mask): row k as `masked` makes it
+    with the allowed set after k drafts, tokens past a shorter mask disallowed; a row whose
+    grammar allows nothing is the request's error."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 10, generator=g)
+    masks = [torch.rand(8, generator=g) < 0.5 for _ in range(3)]  # one row has no mask
+    masks[0][0] = True
+    masks[1][1] = True
+    masks[2][2] = True
+    want = logits.clone()
+    for k in range(3):
+        want[k] = masked(logits[k], masks[k])
+    got = logits.clone()
+    mask_rows_(got, masks)
+    assert torch.equal(got, want)
+    with pytest.raises(RequestError, match="allows no next token"):
+        mask_rows_(logits.clone(), [masks[0], torch.zeros(8, dtype=torch.bool)])
