@@ -15,6 +15,8 @@ was before the step (its input message included), and releases the KV its genera
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import itertools
 import time
@@ -187,10 +189,14 @@ class Agent:
         error: BaseException | None = None
         try:
             while True:
-                async for event in self._step(next_message):
-                    if isinstance(event, StepEvent):
-                        steps.append(event.step)
-                    yield event
+                # aclosing: a caller that closes this stream closes the step at once (its
+                # message rolled back, its request aborted), not when the event loop gets to
+                # finalising an abandoned generator
+                async with contextlib.aclosing(self._step(next_message)) as events:
+                    async for event in events:
+                        if isinstance(event, StepEvent):
+                            steps.append(event.step)
+                        yield event
                 next_message = None
                 if steps[-1].is_final or self._pending:
                     return
@@ -280,11 +286,12 @@ class Agent:
                 tool_choice = self.tool_choice if message is not None else "auto"
             turn = chat(self.runtime, self._request(tool_choice))
             reply: ChatReply | None = None
-            async for event in turn.events():
-                if isinstance(event, TextChunk) and event.text:
-                    yield TextEvent(event.text)
-                elif isinstance(event, ChatReply):
-                    reply = event
+            async with contextlib.aclosing(turn.events()) as chunks:
+                async for event in chunks:
+                    if isinstance(event, TextChunk) and event.text:
+                        yield TextEvent(event.text)
+                    elif isinstance(event, ChatReply):
+                        reply = event
             assert reply is not None
             # the reply is part of the conversation from here on
             committed = True

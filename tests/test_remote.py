@@ -8,6 +8,8 @@ typed errors and leave the agent as it was; an API key is sent and a wrong one r
 
 from __future__ import annotations
 
+import contextlib
+
 import http.server
 import json
 import os
@@ -201,9 +203,14 @@ async def test_cancelling_a_step_aborts_it_on_the_server_and_keeps_the_agent(rem
     agent = Agent(remote, "You are a helpful assistant.", max_tokens=1500)
     before = list(agent.messages)
     with anyio.move_on_after(30):
-        async for event in agent.stream("Write a very long story about the sea."):
-            if isinstance(event, TextEvent):
-                break  # leaving the loop closes the stream
+        # aclosing: the stream is closed when the loop is left, not when the event loop gets
+        # to finalising the abandoned generator (which a server with no running requests
+        # left to poll for could outrun)
+        async with contextlib.aclosing(agent.stream("Write a very long story about the sea.")) \
+                as events:
+            async for event in events:
+                if isinstance(event, TextEvent):
+                    break
     deadline = time.monotonic() + 20
     while running_requests(server) > 0:
         assert time.monotonic() < deadline, "the server kept generating"
