@@ -14,6 +14,7 @@ from agentflash.engine.config import SpecConfig
 from agentflash.engine.engine import Engine
 from agentflash.engine.models.dflash import load_drafter
 from agentflash.engine.models.loader import load_model
+from agentflash.engine.cpu import bucketed
 from agentflash.engine.cpu.bucketed import ROW_BUCKET, BucketedLinear, warm_buckets
 from agentflash.engine.cpu.kernel_linear import KernelLinear
 from agentflash.engine.cpu.packed import PackedLinear
@@ -80,18 +81,22 @@ def test_float32_is_left_as_loaded():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bucketed_linear_rounds_rows_up_to_a_bucket(bias):
+def test_bucketed_linear_rounds_rows_up_to_a_bucket(bias, monkeypatch):
     """Prefill chunks come in every length and oneDNN builds a kernel per matmul shape, so the
     layers serving them pad x to a multiple of ROW_BUCKET rows: each row is that padded
     matmul's, whatever the length, and a decode forward made from the layer computes with the
     CPU kernel on the same weight."""
     w, b, x = random_linear_case(1024, 384, bias)
     layer = BucketedLinear(w, b)
+    seen: list[int] = []  # the row counts oneDNN is called with
+    real = bucketed.F.linear
+    monkeypatch.setattr(bucketed.F, "linear", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
     for rows in (1, ROW_BUCKET - 1, ROW_BUCKET, ROW_BUCKET + 1, x.shape[0]):
         padded = -(-rows // ROW_BUCKET) * ROW_BUCKET
         want = F.linear(F.pad(x[:rows], (0, 0, 0, padded - rows)), w, b)[:rows]
         assert torch.equal(layer(x[:rows]), want), rows
     assert torch.equal(layer(x.view(3, 11, 384)), layer(x).view(3, 11, 1024))
+    assert seen and all(rows % ROW_BUCKET == 0 for rows in seen)
     kernel = layer.kernel_only()
     assert isinstance(kernel, KernelLinear) and kernel.weight is layer.weight
 
