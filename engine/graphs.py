@@ -235,7 +235,9 @@ class GraphDecodeForward(DecodeForward):
                   scale) -> GraphBatch:
         return GraphBatch(k_caches, v_caches, page_tables, ctx_lens, num_new)
 
-    def args(self, ids: torch.Tensor, positions: torch.Tensor, attn: GraphBatch) -> GraphBatch:
+    def args(self, ids: torch.Tensor, positions: torch.Tensor, attn: GraphBatch,
+             rows: torch.Tensor | None = None) -> GraphBatch:
+        """(Every row's logits are computed: the runner takes the `rows` it wants.)"""
         attn.ids = ids
         return attn
 

@@ -8,7 +8,10 @@ positions into the drafter's layers of the same paged pool.
 With a decode/verify forward (engine.cpu.forward: compiled ahead of time, or eager on the CPU
 kernels; engine.graphs: replayed per bucket), every decode row and verify block runs through
 it; each prefill chunk runs in a forward of its own (the scheduler cuts prompts at fixed
-positions), so a sequence's rows never depend on what else was scheduled with them.
+positions), so a sequence's rows never depend on what else was scheduled with them. Where the
+CPU kernels take prefill's row counts as fast as oneDNN (AMX: `DecodeForward.takes_prefill`),
+the chunks go through that forward too, with the step's other items: its linears and attention
+compute each row by itself, whatever else the call holds.
 
 With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V; the
 linear-attention states travel through `LinearStates.forward` (engine.states), every item in
@@ -62,9 +65,13 @@ class ModelRunner:
         decode rows and verify blocks together (through the decode/verify forward, if any),
         each prefill chunk of a dense model in a forward of its own (so its rows, like a decode
         row's, are computed the same way whatever shares the step: matmuls and SDPA choose how
-        to block a call by its shape)."""
+        to block a call by its shape), unless the decode/verify forward takes prefill chunks
+        (`takes_prefill`: every row of its kernels is independent of the call): then every
+        item in one forward through it."""
         if not self.states.chunks_apart:  # hybrid: every item in one forward
             return self._forward(items, False)
+        if self.decode is not None and self.decode.takes_prefill:  # rows invariant whatever M
+            return self._forward(items, True)
         small = [i for i, item in enumerate(items) if item.num_tokens <= INVARIANT_MAX_QUERIES]
         groups = [small] if small else []
         groups += [[i] for i, item in enumerate(items) if item.num_tokens > INVARIANT_MAX_QUERIES]
@@ -102,22 +109,21 @@ class ModelRunner:
                 ctx_lens, num_new, self.kv.page_size, self.model.attention_scale)
         attn = (self.decode.attention(*meta) if small and self.decode is not None
                 else PagedAttention.build(*meta))
-        flat = index_tensor([*ids, *positions], self.device)
-        input_ids, pos = flat[:len(ids)], flat[len(ids):]
+        flat = index_tensor([*ids, *positions, *logit_rows], self.device)
+        input_ids, pos = flat[:len(ids)], flat[len(ids):2 * len(ids)]
+        wanted = flat[2 * len(ids):]
         if small:  # with a drafter, the forward stores its context K/V too
             assert self.decode is not None
-            out = self.decode(self.decode.args(input_ids, pos, attn), attn.k_caches,
+            out = self.decode(self.decode.args(input_ids, pos, attn, wanted), attn.k_caches,
                               attn.v_caches, self.drafter.caches(self.pool.k),
                               self.drafter.caches(self.pool.v))
-            if self.decode.returns_logits:
-                if len(logit_rows) < out.shape[0]:  # a short prefill chunk: its last row only
-                    out = out[index_tensor(logit_rows, self.device)]
-                return RunnerOutput(out, rows)
-            hidden = out
-        else:
-            hidden, captured = self.states.forward(self.model, items, input_ids, pos, attn,
-                                                   self.drafter.capture)
-            self.drafter.store(captured, pos, attn.slot_mapping)
+            if len(logit_rows) < out.shape[0]:  # a forward that gives every row (graphs)
+                out = out[wanted]
+            return RunnerOutput(out if self.decode.returns_logits else self.model.logits(out),
+                                rows)
+        hidden, captured = self.states.forward(self.model, items, input_ids, pos, attn,
+                                               self.drafter.capture)
+        self.drafter.store(captured, pos, attn.slot_mapping)
         if len(logit_rows) < hidden.shape[0]:  # (every row samples in decode and verify steps)
-            hidden = hidden[index_tensor(logit_rows, self.device)]
+            hidden = hidden[wanted]
         return RunnerOutput(self.model.logits(hidden), rows)

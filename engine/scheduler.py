@@ -5,7 +5,8 @@ prompts wait to be prefilled, up to `prefill_first_steps` steps in a row take on
 Prompts are cut into chunks at fixed positions (multiples of `max_batch_tokens` from position
 0), never where a step's budget happens to run out: with each chunk in a forward of its own
 (engine.runner), a prompt's K/V is computed the same way in every run, whatever shares its steps,
-so speculative and plain decoding see the same prompt bit for bit.
+so speculative and plain decoding see the same prompt bit for bit. (Where the decode/verify
+forward takes the chunks too, AMX, every row is computed alone and the cuts change nothing.)
 
 Admission is by KV reservation: a sequence enters the running set only once the pages for its
 whole budget (prompt + max_new_tokens, capped by the context) are promised, so a running

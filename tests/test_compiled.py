@@ -104,6 +104,36 @@ def test_rows_do_not_depend_on_the_forward_and_kv_is_stored_in_place(model, kern
     assert cos.min() > 0.999, cos
 
 
+@CPU_KERNELS.mark
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_prefill_chunks_beside_other_rows_are_the_same_as_alone(model, compiled):
+    """On the CPU kernels the decode/verify forward takes prefill chunks too (the runner sends
+    them there where the kernels are fast at many rows: AMX, `DecodeForward.takes_prefill`): a
+    chunk's rows and stored K/V are the same alone and in one forward with a decode row and
+    another sequence's chunk, and the forward returns just the rows asked for."""
+    run = (CompiledForward.build(model, page_size=PAGE) if compiled
+           else DecodeForward.eager(model, page_size=PAGE))
+    vocab = model.config.vocab_size
+    chunk = [(31 * i + 7) % vocab for i in range(150)]  # the linears' many-rows path on AMX
+    other = [(17 * i + 3) % vocab for i in range(90)]
+    k, v = _caches(model, 128)
+    alone = _forward(run, model, chunk, [400], [150], k, v)
+    kv_alone = [t[:25 * PAGE].clone() for t in k + v]  # the chunk's sequence's pages
+    k, v = _caches(model, 128)
+    batch = _forward(run, model, chunk + [5] + other, [400, 1000, 90], [150, 1, 90], k, v)
+    assert torch.equal(batch[:150], alone)
+    assert all(torch.equal(a[:25 * PAGE], b) for a, b in zip(k + v, kv_alone))
+    # only the rows that sample (each chunk's last, the decode row): those rows of the whole
+    k, v = _caches(model, 128)
+    tables = [list(range(25)), list(range(25, 88)), list(range(88, 94))]
+    attn = run.attention(k, v, tables, [400, 1000, 90], [150, 1, 90], PAGE,
+                         model.attention_scale)
+    ids = torch.tensor(chunk + [5] + other)
+    pos = torch.cat([torch.arange(250, 400), torch.tensor([999]), torch.arange(90)])
+    rows = torch.tensor([149, 150, 240])
+    assert torch.equal(run(step_args(ids, pos, attn, rows), k, v), batch[rows])
+
+
 def test_the_drafter_runs_compiled_and_its_context_is_stored_by_the_target_program(model):
     """The drafter's programs agree with its eager forward (to bfloat16 rounding: only which
     drafts are proposed depends on them)."""

@@ -156,13 +156,18 @@ def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
     row-invariant (kernels.torch_ops._chunked_attention), so outputs match to the bit: with
     full blocks, shorter ones, and "auto", which mixes verify lengths and plain steps; eager and
     through the compiled step (engine.cpu.compiled), the prompts batched together so that decode
-    rows, verify blocks and prefill chunks share steps."""
+    rows, verify blocks and prefill chunks share steps, and each prompt alone."""
     target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
     prompts = [prompt_ids(tokenizer, c) for c in conversations()]
     plain_engine = Engine(target, compile=compile)
     assert ("aoti-compiled-step" in plain_engine.fast_paths) == compile
     plain = [c.output_ids for c in run(plain_engine, prompts, 96)]
+    # each prompt alone as in the batch: a prompt's numbers do not depend on what shares its
+    # steps (with AMX every item of a step in one forward: DecodeForward.takes_prefill)
+    decode = plain_engine.runner.decode
+    assert (decode is not None and decode.takes_prefill) == cpu_ops.fast_many_rows()
+    assert [run(plain_engine, [p], 96)[0].output_ids for p in prompts] == plain
     auto = Engine(target, drafter=drafter, spec=SpecConfig(16), compile=compile)
     assert auto.policy.auto  # the default: step costs measured at load
     for engine in (Engine(target, drafter=drafter, spec=SpecConfig(16), compile=compile,

@@ -112,13 +112,16 @@ def test_warming_the_buckets_runs_each_layer_shape_once_per_bucket():
 @CPU_KERNELS.mark
 def test_beside_a_decode_forward_the_layers_serve_prefill_in_buckets():
     """Where a decode forward takes decode and verify rows (the CPU kernels), the eager layers
-    serve only prefill chunks: bucketed, their kernels built when the engine is made; a second
-    engine on the same model still computes decode rows with the kernel (greedy speculative
-    output equal to plain: tests/test_embedded.py)."""
+    serve only prefill chunks: bucketed, their kernels built when the engine is made (unless
+    the decode forward takes the chunks too: AMX); a second engine on the same model still
+    computes decode rows with the kernel (greedy speculative output equal to plain:
+    tests/test_embedded.py)."""
     model = load_model(embedded_model_dir(), dtype=torch.bfloat16)
     engine = Engine(model, compile=False)
     assert isinstance(model.layers[0].mlp.down_proj, BucketedLinear)
     assert isinstance(model.lm_head, (PackedLinear, KernelLinear))
-    assert "bucket-warm-up" in engine.fast_path_seconds
+    takes_prefill = engine.runner.decode.takes_prefill
+    assert takes_prefill == cpu_ops.fast_many_rows()
+    assert ("bucket-warm-up" in engine.fast_path_seconds) != takes_prefill
     again = Engine(model, compile=False)
     assert isinstance(again.runner.decode.step.model.layers[0].mlp.down_proj, KernelLinear)

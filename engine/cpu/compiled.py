@@ -13,11 +13,13 @@ capability, thread count, this package's model code), so a compile (35 s for the
 a later engine loads it in milliseconds.
 
 The target program runs forwards whose sequences each bring at most `INVARIANT_MAX_QUERIES` new
-tokens (decode rows and verify blocks; prefill chunks stay eager). One program serves every such
-shape, so a row's result does not depend on how many rows share the forward: a verify block's
-rows are bitwise the plain decode steps' rows (tests/test_compiled.py), and greedy speculative
-output equals plain output on this path as on the eager one. The compiled numbers are not the
-eager ones bit for bit (Inductor fuses casts), so the engine takes every decode and verify row
+tokens (decode rows and verify blocks) and, on the CPU kernels, any number (prefill chunks too,
+where the kernels take them: `DecodeForward.takes_prefill`); it returns the outputs of the rows
+asked for (a prefill chunk's last). One program serves every such shape, so a row's result does
+not depend on how many rows share the forward: a verify block's rows are bitwise the plain
+decode steps' rows (tests/test_compiled.py), and greedy speculative output equals plain output
+on this path as on the eager one. The compiled numbers are not the eager ones bit for bit
+(Inductor fuses casts), so the engine takes every decode and verify row
 through it once it has it. (The drafter's numbers only decide which drafts are proposed.)
 """
 
@@ -178,8 +180,8 @@ class CompiledForward(DecodeForward):
                  v_caches: Sequence[torch.Tensor], draft_k_caches: Sequence[torch.Tensor] = (),
                  draft_v_caches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         return self.program.run_flat([
-            args.ids, args.positions, args.slot_mapping, *args.attention, *k_caches, *v_caches,
-            *draft_k_caches, *draft_v_caches])[0]
+            args.ids, args.positions, args.rows, args.slot_mapping, *args.attention, *k_caches,
+            *v_caches, *draft_k_caches, *draft_v_caches])[0]
 
 
 class CompiledDraft(DraftForward):
@@ -299,7 +301,7 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
                  kernels: bool) -> tuple:
     """The target program's module, example inputs and dynamic shapes. Every dynamic size of
     the example is distinct (export would tie equal ones together): 3 sequences of 1200 / 640 /
-    300 tokens bringing 4 / 2 / 1 new ones (T 7, B 3, Q 4, 5 key chunks)."""
+    300 tokens bringing 4 / 2 / 1 new ones (T 7, B 3, Q 4, 5 key chunks), 6 rows returned."""
     cfg = model.config
     kv = (cfg.num_key_value_heads, cfg.head_dim, model.dtype)
     k_caches = _caches(_PAGES, page_size, len(model.layers), *kv)
@@ -317,9 +319,10 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
     attn = build(k_caches, v_caches, _tables(ctx_lens, page_size), ctx_lens, num_new, page_size,
                  model.attention_scale)
     positions = torch.cat([torch.arange(c - n, c) for c, n in zip(ctx_lens, num_new)])
-    a = step_args(torch.zeros(sum(num_new), dtype=torch.long), positions, attn)
-    example = (a.ids, a.positions, a.slot_mapping, a.attention, k_caches, v_caches, draft_k,
-               draft_v)
+    a = step_args(torch.zeros(sum(num_new), dtype=torch.long), positions, attn,
+                  torch.tensor([0, 1, 2, 3, 4, 6]))
+    example = (a.ids, a.positions, a.rows, a.slot_mapping, a.attention, k_caches, v_caches,
+               draft_k, draft_v)
     Dim = torch.export.Dim
     tokens, seqs = Dim("tokens", min=1, max=1 << 16), Dim("seqs", min=1, max=1 << 12)
     slots = Dim("slots", min=page_size)
@@ -331,7 +334,8 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
         chunks = Dim("chunks", min=1, max=1 << 14)
         attention = ({0: seqs, 1: queries}, {0: tokens}, {0: seqs, 2: chunks},
                      {0: seqs, 1: chunks, 2: queries})
-    shapes = ({0: tokens}, {0: tokens}, {0: tokens}, attention,
+    rows = Dim("rows", min=1, max=1 << 16)
+    shapes = ({0: tokens}, {0: tokens}, {0: rows}, {0: tokens}, attention,
               [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches),
               [{0: slots}] * len(draft_k), [{0: slots}] * len(draft_v))
     return TargetStep(model, drafter, kernels, page_size), example, shapes

@@ -15,7 +15,9 @@ serves every decode and verify row, so speculative output equals plain output wi
   packed copy of the embedding matrix (the embedding lookup keeps the plain one). With a
   decode forward (compiled, or eager on the CPU kernels) only the head is packed, and the
   layers, which then serve prefill chunks only, round their rows up to a multiple of 32
-  (engine.cpu.bucketed: oneDNN builds a kernel per shape, and chunks come in every length).
+  (engine.cpu.bucketed: oneDNN builds a kernel per shape, and chunks come in every length);
+  where the decode forward takes prefill chunks too (AMX: `DecodeForward.takes_prefill`) the
+  eager layers serve no row, and their buckets are not built.
 
 - `cpu-kernels` (with the compiled step, where agentflash's CPU kernels run: kernels.cpu_ops,
   AMX, AVX512-BF16, AVX512 or AVX2): the programs compute their linears and attention with them, and
@@ -300,7 +302,8 @@ def prepare(model: CausalLM | HybridCausalLM, drafter: DFlashDraftModel | None =
                 path.apply(model, drafter, decode is None)
                 applied.append(path.name)
                 seconds[path.name] = time.perf_counter() - t0
-        if "onednn-packed-bf16" in applied and decode is not None and prefill_rows:
+        if ("onednn-packed-bf16" in applied and decode is not None and prefill_rows
+                and not decode.takes_prefill):
             t0 = time.perf_counter()
             warm_buckets([m for m in (model, drafter) if m is not None], prefill_rows)
             seconds["bucket-warm-up"] = time.perf_counter() - t0

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from agentflash.kernels import torch_ops
+from agentflash.kernels import cpu_ops, torch_ops
 
 from ..attention import PagedAttention, PagedDraftAttention
 from ..models.dflash import DFlashDraftModel
@@ -38,6 +38,8 @@ class StepArgs:
 
     ids: torch.Tensor            # [T]
     positions: torch.Tensor      # [T]
+    rows: torch.Tensor           # [R] the tokens whose outputs the forward returns (those that
+                                 # sample: a prefill chunk's last)
     slot_mapping: torch.Tensor   # [T] where each new token's K/V goes
     attention: tuple[torch.Tensor, ...]
     """With the CPU kernels, KernelAttention's (page_table [B, P], token_seq [T], token_keys
@@ -47,18 +49,22 @@ class StepArgs:
 
 
 def step_args(ids: torch.Tensor, positions: torch.Tensor,
-              attn: PagedAttention | KernelAttention) -> StepArgs:
+              attn: PagedAttention | KernelAttention, rows: torch.Tensor | None = None
+              ) -> StepArgs:
     """The forward's inputs for a forward whose metadata is `attn`: a KernelAttention, or a
-    PagedAttention built with `one_group=True` on CPU in bfloat16 (so with a ChunkPlan)."""
+    PagedAttention built with `one_group=True` on CPU in bfloat16 (so with a ChunkPlan).
+    rows: the tokens whose outputs are wanted (None: every token)."""
+    if rows is None:
+        rows = torch.arange(ids.shape[0], device=ids.device)
     if isinstance(attn, KernelAttention):
-        return StepArgs(ids, positions, attn.slot_mapping,
+        return StepArgs(ids, positions, rows, attn.slot_mapping,
                         (attn.page_table, attn.token_seq, attn.token_keys))
     (group,) = attn.groups
     assert group.plan is not None
     out_index = group.out_index
     if out_index is None:
         out_index = torch.arange(ids.shape[0], device=ids.device)
-    return StepArgs(ids, positions, attn.slot_mapping,
+    return StepArgs(ids, positions, rows, attn.slot_mapping,
                     (group.q_index, out_index, group.plan.kv_index, group.plan.visible))
 
 
@@ -105,7 +111,8 @@ class TargetStep(nn.Module):
     the head too (the forward returns float32 logits: no Python between the last layer and the
     head), else the model's own linears and the torch attention's row-invariant path (the
     forward returns the final hidden states; the head stays eager: a head an earlier engine
-    packed for oneDNN cannot be traced)."""
+    packed for oneDNN cannot be traced). Either way of the tokens `rows` only (every row of a
+    decode or verify step; a prefill chunk's last: DecodeForward.takes_prefill)."""
 
     def __init__(self, model: CausalLM, drafter: DFlashDraftModel | None,
                  kernels: bool, page_size: int) -> None:
@@ -121,7 +128,7 @@ class TargetStep(nn.Module):
         self.drafter = drafter
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
-    def forward(self, ids, positions, slot_mapping, attention, k_caches, v_caches,
+    def forward(self, ids, positions, rows, slot_mapping, attention, k_caches, v_caches,
                 draft_k_caches, draft_v_caches):
         scale = self.model.attention_scale
         if self.kernels:
@@ -136,7 +143,8 @@ class TargetStep(nn.Module):
             ctx = self.drafter.context_features(out.captured)
             for i, (k, v) in enumerate(zip(draft_k_caches, draft_v_caches)):
                 self.drafter.store_context_kv(i, ctx, positions, slot_mapping, k, v)
-        return out.hidden if self.head is None else self.head(out.hidden).float()
+        hidden = out.hidden.index_select(0, rows)
+        return hidden if self.head is None else self.head(hidden).float()
 
 
 class DraftStep(nn.Module):
@@ -189,14 +197,21 @@ class DraftStep(nn.Module):
 class DecodeForward:
     """A step's decode/verify forward: call it with `StepArgs`, the target's per-layer caches
     and the drafter's (with a drafter, whose context K/V it stores); returns the float32 logits
-    [T, V] where it runs the CPU kernels (`returns_logits`), else the hidden states [T, H] after
-    the final norm. This one runs `TargetStep` eager on the CPU kernels."""
+    [R, V] of `StepArgs.rows` where it runs the CPU kernels (`returns_logits`), else their
+    hidden states [R, H] after the final norm. This one runs `TargetStep` eager on the CPU
+    kernels.
+
+    `takes_prefill`: the kernels' linears keep up with oneDNN's at a prefill chunk's rows (the
+    AMX tiles, kernels.cpu_ops.fast_many_rows), so the runner sends prefill chunks through
+    this forward too, every item of a step in one forward (rows independent of the call by
+    construction); elsewhere each chunk runs on the eager model in a forward of its own."""
 
     kind = "eager"
 
     def __init__(self, kernels: bool, step: TargetStep | None = None) -> None:
         self.kernels = kernels     # linears and attention through agentflash's CPU kernels
         self.returns_logits = kernels  # the head inside (TargetStep)
+        self.takes_prefill = kernels and cpu_ops.fast_many_rows()
         self.step = step
 
     @classmethod
@@ -216,16 +231,18 @@ class DecodeForward:
                                     page_size, scale, one_group=True)
 
     def args(self, ids: torch.Tensor, positions: torch.Tensor,
-             attn: KernelAttention | PagedAttention) -> StepArgs:
-        """The forward's inputs for new tokens `ids` at `positions` with metadata `attn`."""
-        return step_args(ids, positions, attn)
+             attn: KernelAttention | PagedAttention, rows: torch.Tensor | None = None
+             ) -> StepArgs:
+        """The forward's inputs for new tokens `ids` at `positions` with metadata `attn`, the
+        outputs of tokens `rows` wanted (None: every token's)."""
+        return step_args(ids, positions, attn, rows)
 
     def __call__(self, args: StepArgs, k_caches: Sequence[torch.Tensor],
                  v_caches: Sequence[torch.Tensor], draft_k_caches: Sequence[torch.Tensor] = (),
                  draft_v_caches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         assert self.step is not None
-        return self.step(args.ids, args.positions, args.slot_mapping, args.attention, k_caches,
-                         v_caches, draft_k_caches, draft_v_caches)
+        return self.step(args.ids, args.positions, args.rows, args.slot_mapping, args.attention,
+                         k_caches, v_caches, draft_k_caches, draft_v_caches)
 
 
 class DraftForward:
