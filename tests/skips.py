@@ -108,6 +108,11 @@ ROW_INVARIANT_BF16 = Need(
     "or oneDNN with row-invariant bf16 matmuls)",
     lambda: cpu_ops.available() or bf16_gemm_rows_are_independent(), _kernels_cannot_run)
 
+PREFILL_THROUGH_KERNELS = Need(
+    "needs the CPU kernels to take prefill chunks (the amx build: DecodeForward.takes_prefill)",
+    cpu_ops.fast_many_rows,
+    lambda: _kernels_cannot_run() or getattr(cpu_ops.isa(), "name", None) != "amx")
+
 CHROMIUM = Need(f"needs {CHROMIUM_BINARY} (tools/setup.sh installs it, as root)",
                 lambda: shutil.which(CHROMIUM_BINARY) is not None, _never)
 
@@ -145,8 +150,8 @@ OTHER_CPU_BUILDS = Need("this CPU runs only the build of the CPU kernels chosen 
 
 
 NEEDS = (CUDA, CPU_KERNELS, X86_COMPILER, ONEDNN_BF16, ROW_INVARIANT_ONEDNN_BF16,
-         EMULATED_BF16_WITH_KERNELS, ROW_INVARIANT_BF16, CHROMIUM, VLLM, LINEAR_CUDA,
-         OTHER_CPU_BUILDS)
+         EMULATED_BF16_WITH_KERNELS, ROW_INVARIANT_BF16, PREFILL_THROUGH_KERNELS, CHROMIUM, VLLM,
+         LINEAR_CUDA, OTHER_CPU_BUILDS)
 
 
 def excused(reason: str) -> bool:

@@ -26,7 +26,7 @@ from agentflash.engine.cpu.forward import ModuleDraftForward
 from agentflash.engine.models.dflash_config import DFlash2Extras
 from agentflash.kernels import cpu_ops
 from agentflash.training.drafter_checkpoint import grow_to_v2, init_drafter
-from skips import CPU_KERNELS, ROW_INVARIANT_BF16
+from skips import CPU_KERNELS, PREFILL_THROUGH_KERNELS, ROW_INVARIANT_BF16
 
 HELDOUT = Path(__file__).parent / "data" / "heldout.jsonl"
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
@@ -156,18 +156,13 @@ def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
     row-invariant (kernels.torch_ops._chunked_attention), so outputs match to the bit: with
     full blocks, shorter ones, and "auto", which mixes verify lengths and plain steps; eager and
     through the compiled step (engine.cpu.compiled), the prompts batched together so that decode
-    rows, verify blocks and prefill chunks share steps, and each prompt alone."""
+    rows, verify blocks and prefill chunks share steps."""
     target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
     prompts = [prompt_ids(tokenizer, c) for c in conversations()]
     plain_engine = Engine(target, compile=compile)
     assert ("aoti-compiled-step" in plain_engine.fast_paths) == compile
     plain = [c.output_ids for c in run(plain_engine, prompts, 96)]
-    # each prompt alone as in the batch: a prompt's numbers do not depend on what shares its
-    # steps (with AMX every item of a step in one forward: DecodeForward.takes_prefill)
-    decode = plain_engine.runner.decode
-    assert (decode is not None and decode.takes_prefill) == cpu_ops.fast_many_rows()
-    assert [run(plain_engine, [p], 96)[0].output_ids for p in prompts] == plain
     auto = Engine(target, drafter=drafter, spec=SpecConfig(16), compile=compile)
     assert auto.policy.auto  # the default: step costs measured at load
     for engine in (Engine(target, drafter=drafter, spec=SpecConfig(16), compile=compile,
@@ -175,6 +170,24 @@ def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
                    Engine(target, drafter=drafter, spec=SpecConfig(5), compile=compile,
                           speculation="always"), auto):
         assert [c.output_ids for c in run(engine, prompts, 96)] == plain
+
+
+@PREFILL_THROUGH_KERNELS.mark
+def test_a_prompts_output_is_the_same_alone_and_batched(tokenizer):
+    """Where the decode forward takes prefill chunks too (AMX: DecodeForward.takes_prefill),
+    every row is computed by itself whatever shares its forward, so a prompt's greedy output
+    is the same alone as batched with others, a prefix another prompt computed (in a chunk of
+    another length) included. (Elsewhere prefill chunks run on oneDNN, which blocks a matmul
+    by its shape: only runs of the same batch are compared there.)"""
+    target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
+    drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
+    prompts = [prompt_ids(tokenizer, c) for c in conversations()]
+    for engine in (Engine(target), Engine(target, drafter=drafter, spec=SpecConfig(16))):
+        assert engine.runner.decode.takes_prefill
+        batched = [c.output_ids for c in run(engine, prompts, 64)]
+        assert [run(engine, [p], 64)[0].output_ids for p in prompts] == batched
+        engine.clear_cache()
+        assert [run(engine, [p], 64)[0].output_ids for p in reversed(prompts)] == batched[::-1]
 
 
 @CPU_KERNELS.mark
