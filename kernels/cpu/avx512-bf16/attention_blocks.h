@@ -18,26 +18,30 @@ constexpr int kBlock = 16;      // keys per block
 
 inline __m512 exp16(__m512 x) { return at::vec::Vectorized<float>(x).exp_u20(); }
 
-// A block of 16 keys and values laid out for `vdpbf16ps` (keys past `n` are zeros):
-// keys[i] lane j = the i-th pair of key j's elements (2i, 2i+1), so a query's 16 scores are
-// D/2 dot-product steps with no sum across lanes; values[p * D/16 + c] lane e = the pair
-// (key 2p, key 2p+1) of element 16c + e, so the output takes 8 steps per 16 elements.
-template <int D>
+// Blocks of 16 keys and values laid out for `vdpbf16ps` (keys past `n` are zeros), N blocks
+// in a row: keys[16 b + i] lane j = the i-th pair of block b's key j's elements (2i, 2i+1),
+// so a query's 16 scores are D/2 dot-product steps with no sum across lanes; values[p * D/16 +
+// c] lane e = the pair (key 2p, key 2p+1) of element 16c + e over all 16 N keys, so the output
+// takes 8 steps per 16 elements (and AMX's B tiles read 16 pairs of keys in a row).
+template <int D, int N = 1>
 struct PackedBlock {
-  alignas(64) __m512i keys[D / 2];
-  alignas(64) __m512i values[8 * (D / 16)];
+  alignas(64) __m512i keys[N * D / 2];
+  alignas(64) __m512i values[N * 8 * (D / 16)];
 
   // the keys kr[0 .. n-1] and their values vr[0 .. n-1]
   void pack(const uint16_t* const* kr, const uint16_t* const* vr, int n) {
 #pragma GCC unroll 1
-    for (int c = 0; c < D / 32; ++c) {
-      __m512i rows[16], cols[16];
-      for (int j = 0; j < 16; ++j)
-        rows[j] = j < n ? _mm512_loadu_si512(kr[j] + 32 * c) : _mm512_setzero_si512();
-      transpose16(rows, cols);
-      for (int w = 0; w < 16; ++w) keys[16 * c + w] = cols[w];
-    }
-    for (int p = 0; p < 8; ++p)
+    for (int b = 0; b < N; ++b)
+#pragma GCC unroll 1
+      for (int c = 0; c < D / 32; ++c) {
+        __m512i rows[16], cols[16];
+        for (int j = 0; j < 16; ++j)
+          rows[j] = 16 * b + j < n ? _mm512_loadu_si512(kr[16 * b + j] + 32 * c)
+                                   : _mm512_setzero_si512();
+        transpose16(rows, cols);
+        for (int w = 0; w < 16; ++w) keys[b * (D / 2) + 16 * c + w] = cols[w];
+      }
+    for (int p = 0; p < 8 * N; ++p)
       for (int c = 0; c < D / 16; ++c) {
         const __m512i lo = 2 * p < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
                                            reinterpret_cast<const __m256i*>(vr[2 * p] + 16 * c)))

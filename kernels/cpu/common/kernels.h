@@ -187,8 +187,10 @@ inline void key_rows(const KvSource& src, int64_t g, int64_t head_dim, int64_t k
 
 // A run's keys 0 .. longest - 1 at KV head g, chunk by chunk at fixed positions (0, Chunk,
 // 2 Chunk, ...): `advance(k0)` makes kr / vr the rows of the chunk from k0 and returns how many
-// there are, after asking the memory for the next chunk's rows (fetched while this one computes).
-template <int Chunk>
+// there are, with Prefetch after asking the memory for the next chunk's rows (fetched while
+// this one computes; the AMX kernel's 64-key chunks are faster left to the hardware's
+// prefetchers: 256 prefetches a chunk cost more than they saved).
+template <int Chunk, bool Prefetch = true>
 struct KeyChunks {
   const KvSource& src;
   int64_t g, head_dim, longest;
@@ -209,6 +211,7 @@ struct KeyChunks {
     std::copy(next_vr, next_vr + n, vr);
     const int next_n = static_cast<int>(std::clamp<int64_t>(longest - k0 - Chunk, 0, Chunk));
     key_rows(src, g, head_dim, k0 + Chunk, next_n, next_kr, next_vr);
+    if (!Prefetch) return n;
     for (int j = 0; j < next_n; ++j)
       for (int64_t c = 0; c < head_dim; c += 32) {  // a cache line of each row at a time
         _mm_prefetch(reinterpret_cast<const char*>(next_kr[j] + c), _MM_HINT_T0);
