@@ -16,7 +16,6 @@ was before the step (its input message included), and releases the KV its genera
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import itertools
 import time

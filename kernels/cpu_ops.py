@@ -244,15 +244,10 @@ def available() -> bool:
 def fast_many_rows() -> bool:
     """Whether the bfloat16 linear keeps up with oneDNN's matmul at a prefill chunk's hundreds
     of rows: the amx set's tile path, in a process the OS grants the tile state to (on 2 cores
-    of an AMX Xeon, 64 to 512 rows of agentflash-11m's linears take as long as oneDNN's:
-    docs/performance.md). The other sets' kernels are built for few rows; there prefill
+    of an AMX Xeon, 64 to 512 rows of agentflash-11m's linears take as long as oneDNN's or
+    less: docs/performance.md). The other sets' kernels are built for few rows; there prefill
     chunks run on oneDNN."""
-    chosen = isa()
-    if chosen is None or chosen.name != "amx" or not available():
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    # what amx/tiles.h asks Linux for (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-    return libc.syscall(158, 0x1023, 18) == 0
+    return available() and bool(torch.ops.agentflash.amx_tiles())
 
 
 def loaded() -> bool:

@@ -35,9 +35,10 @@ template <int D>
 using Span = PackedBlock<D, kParts>;  // the span's 64 keys and values
 
 // Every tile 16 rows x 64 bytes. Tiles 0-3: C (16 rows x 16 float32: the scores of a block of
-// 16 keys each, then 16 elements of the weighted values each); 4: the rows' queries (16 x 32
-// elements), then values (16 pairs of keys x 16 elements); 5, 7: keys (16 pairs of elements x
-// 16 keys) or values; 6: the rows' weights of 32 keys (16 x 32).
+// 16 keys each, then 16 elements of the weighted values each). For the scores, 4: the rows'
+// queries (16 x 32 elements), 5-7: keys (16 pairs of elements x 16 keys); for the weighted
+// values, 6: the rows' weights of 32 keys (16 x 32), 4, 5, 7: values (16 pairs of keys x 16
+// elements).
 void configure_tiles() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.shape(t, kTileRows, 64);
@@ -114,23 +115,22 @@ void weigh_tiles(const uint16_t* weights, const Span<D>& span, int halves, float
   }
 }
 
-// A row's scaled scores of the span's 64 keys, -inf past the `valid` it sees.
-struct SpanScores {
-  __m512 x[kParts];
-  SpanScores(const float* scores, float scale, int valid) {
-    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+// A row's 64 scores scaled in place, -inf past the `valid` keys it sees; returns their
+// elementwise maximum over the span's four blocks.
+inline __m512 scale_scores(float* scores, float scale, int valid) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top = neg_inf;
 #pragma GCC unroll 4
-    for (int q = 0; q < kParts; ++q) {
-      const int live = std::clamp(valid - q * kBlock, 0, kBlock);
-      x[q] = _mm512_mask_blend_ps(static_cast<__mmask16>((1u << live) - 1), neg_inf,
-                                  _mm512_mul_ps(_mm512_load_ps(scores + q * kBlock),
-                                                _mm512_set1_ps(scale)));
-    }
+  for (int q = 0; q < kParts; ++q) {
+    const int live = std::clamp(valid - q * kBlock, 0, kBlock);
+    const __m512 x = _mm512_mask_blend_ps(static_cast<__mmask16>((1u << live) - 1), neg_inf,
+                                          _mm512_mul_ps(_mm512_load_ps(scores + q * kBlock),
+                                                        _mm512_set1_ps(scale)));
+    _mm512_store_ps(scores + q * kBlock, x);
+    top = _mm512_max_ps(top, x);
   }
-  __m512 max() const {
-    return _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
-  }
-};
+  return top;
+}
 
 template <int D>
 void attend(const KvSource& src, const QueryRun& run) {
@@ -183,7 +183,7 @@ void attend(const KvSource& src, const QueryRun& run) {
         if (j < n) {
           old_max[j] = st.max[row[j]];
           old_sum[j] = st.sum[row[j]];
-          v[j] = SpanScores(scores + at[j] * kSpan, run.scale, valid[j]).max();
+          v[j] = scale_scores(scores + at[j] * kSpan, run.scale, valid[j]);
         } else {
           v[j] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         }
@@ -196,12 +196,12 @@ void attend(const KvSource& src, const QueryRun& run) {
           v[j] = _mm512_setzero_ps();
           continue;
         }
-        const SpanScores span(scores + at[j] * kSpan, run.scale, valid[j]);
+        const float* scaled = scores + at[j] * kSpan;
         const __m512 t = _mm512_set1_ps(top[j]);
         __m512 p[kParts];
 #pragma GCC unroll 4
         for (int q = 0; q < kParts; ++q) {
-          p[q] = exp16(_mm512_sub_ps(span.x[q], t));
+          p[q] = exp16(_mm512_sub_ps(_mm512_load_ps(scaled + q * kBlock), t));
           store_bf16(weights + j * kSpan + q * kBlock, p[q]);
         }
         v[j] = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));

@@ -163,27 +163,29 @@ void linear_many_rows(const agentflash_cpu::LinearArgs& a) {
   // a task: one block of W's rows, packed by it, over a chunk of x's rows (kept in L2; a thread
   // takes consecutive tasks, so the blocks of W of one chunk of x)
   const int64_t chunks = (row_blocks + kChunk - 1) / kChunk;
+  // the last rows, zero-padded to a block once (their results are never read)
+  const int64_t tail_rows = M % kBlock;
+  thread_local std::vector<uint16_t> tail;
+  if (tail_rows > 0) {
+    tail.assign(kBlock * K, 0);
+    for (int64_t i = 0; i < tail_rows; ++i) {
+      const uint16_t* row = a.x + (M - tail_rows + i) * a.ldx;
+      std::copy(row, row + K, tail.data() + i * K);
+    }
+  }
+  const uint16_t* padded = tail.data();
   at::parallel_for(0, chunks * col_blocks, 1, [&](int64_t t0, int64_t t1) {
     configure_row_tiles();
     thread_local std::vector<uint16_t> packed;
     packed.resize(kBlock * K);
     alignas(64) float c[kBlock * kBlock];
-    thread_local std::vector<uint16_t> tail;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t cb = t % col_blocks, chunk = t / col_blocks;
       pack_block(a.w, a.ldw, N, K, cb * kBlock, packed.data());
       for (int64_t rb = chunk * kChunk; rb < std::min(row_blocks, (chunk + 1) * kChunk); ++rb) {
         const int64_t m0 = rb * kBlock, rows = std::min(kBlock, M - m0);
-        const uint16_t* x = a.x + m0 * a.ldx;
-        int64_t ldx = a.ldx;
-        if (rows < kBlock) {  // the last rows, zero-padded to a block (their results unread)
-          tail.assign(kBlock * K, 0);
-          for (int64_t i = 0; i < rows; ++i)
-            std::copy(x + i * a.ldx, x + i * a.ldx + K, tail.data() + i * K);
-          x = tail.data();
-          ldx = K;
-        }
-        row_tiles(x, ldx, packed.data(), K, c);
+        const bool last = rows < kBlock;
+        row_tiles(last ? padded : a.x + m0 * a.ldx, last ? K : a.ldx, packed.data(), K, c);
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t m = m0 + i;
           for (int64_t h = 0; h < 2; ++h) {

@@ -1,6 +1,6 @@
 // What the AVX512-BF16 and AMX attention kernels (avx512-bf16/attention.cpp,
-// amx/attention.cpp) share: blocks of 16 keys packed for bfloat16 dot products, the running
-// softmax state of a run's query heads and its online step.
+// amx/attention_amx.cpp) share: blocks of 16 keys packed for bfloat16 dot products, the running
+// softmax state of a run's query heads and its final division.
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -64,35 +64,6 @@ struct Rows {
     out.assign(rows * dim, 0.f);
   }
 };
-
-// The online softmax step of up to 16 rows after a block, given their scores s[0 .. n-1]
-// (scaled; -inf for keys a row does not see): each row's running maximum and sum updated, p[i]
-// its weights exp(s - new max) (0 past n), rescale[i] = exp(old max - new max), what its output
-// so far is multiplied by. The rows go together so their steps overlap; each lane of the
-// cross-lane trees (avx512/simd.h) reduces one row's vector by the same tree whatever its slot,
-// so a row's result depends on its own scores alone.
-__attribute__((always_inline)) inline void softmax_step(Rows& st, const int64_t* row, int n,
-                                                        const __m512 (&s)[16], __m512 (&p)[16],
-                                                        float* rescale) {
-  alignas(64) float old_max[16] = {}, old_sum[16] = {}, top[16];
-  for (int i = 0; i < n; ++i) {
-    old_max[i] = st.max[row[i]];
-    old_sum[i] = st.sum[row[i]];
-  }
-  const __m512 m = _mm512_max_ps(_mm512_load_ps(old_max), lane_maxes(s));
-  _mm512_store_ps(top, m);
-  const __m512 r = exp16(_mm512_sub_ps(_mm512_load_ps(old_max), m));  // exp(0) = 1 exactly
-  _mm512_store_ps(rescale, r);
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i)
-    p[i] = i < n ? exp16(_mm512_sub_ps(s[i], _mm512_set1_ps(top[i]))) : _mm512_setzero_ps();
-  alignas(64) float sum[16];
-  _mm512_store_ps(sum, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(old_sum), r), lane_sums(p)));
-  for (int i = 0; i < n; ++i) {
-    st.max[row[i]] = top[i];
-    st.sum[row[i]] = sum[i];
-  }
-}
 
 // Each row's output, its weighted values divided by its sum, rounded once to bfloat16 (row r:
 // query t0 + r / G of the run, head r % G).

@@ -22,6 +22,9 @@
 
 #include "kernels.h"
 #include "ops.h"
+#ifdef __AMX_BF16__
+#include "../amx/tiles.h"
+#endif
 
 namespace {
 
@@ -131,7 +134,22 @@ at::Tensor linear_int8_dynamic(const at::Tensor& x, const at::Tensor& qweight,
 
 }  // namespace agentflash_cpu
 
+namespace {
+
+// agentflash::amx_tiles: whether linear_bf16 and the attention run on AMX tiles in this process
+// (the amx set's library, and the OS granting the tile state).
+bool amx_tiles() {
+#ifdef __AMX_BF16__
+  return agentflash_cpu::tiles_granted();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
+  m.def("amx_tiles() -> bool", &amx_tiles);
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None, "
         "Tensor? residual=None) -> Tensor");
