@@ -17,6 +17,9 @@
   (common/attention_op.cpp): no gathered copy of the context, no batched-matmul calls.
 - `top1(logits, with_prob)`: each row's argmax and the softmax probability there, for a step's
   float32 logits (common/top1.cpp): a few microseconds where torch's reductions take tens.
+- `run_program(program, inputs)`: one forward of an AOTInductor package loaded as
+  `torch.classes.agentflash.Program(path)` (common/program_op.cpp), with the GIL released (torch's
+  Python loader keeps it through the forward), so other threads run meanwhile.
 
 Each has one implementation per instruction set (`ISAS`, the first the CPU has is built; its
 files are kernels/cpu/<set>/, one op each, compiled with common/'s):

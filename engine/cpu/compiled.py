@@ -118,12 +118,9 @@ def use_kernels(model: CausalLM, kernels: bool | None = None) -> bool:
 class CompiledProgram:
     """A loaded AOTInductor package: built on first use, then loaded from the disk cache."""
 
-    def __init__(self, run: Callable, path: Path, compiled: bool, seconds: float,
-                 kernels: bool) -> None:
-        # The package's flat entry point: its inputs' tensors in order, its outputs as a list
-        # (the package's __call__ parses its tree specs and flattens the inputs on every call:
-        # ~0.15 ms, a tenth of an 11m decode step).
-        self.run_flat: Callable[[list[torch.Tensor]], list[torch.Tensor]] = run.loader.boxed_run
+    def __init__(self, run_flat: Callable[[list[torch.Tensor]], list[torch.Tensor]], path: Path,
+                 compiled: bool, seconds: float, kernels: bool) -> None:
+        self.run_flat = run_flat  # the inputs' tensors in order -> the outputs as a list
         self.path = path
         self.compiled = compiled   # False: loaded from the disk cache
         self.seconds = seconds     # compiling (or loading) it
@@ -147,10 +144,22 @@ class CompiledProgram:
                     _prune(path.parent)
         if not compiled:
             path.touch()  # recently used: pruned last
-        run = torch._inductor.aoti_load_package(str(path))
+        run_flat = _flat_entry(path)
         seconds = time.perf_counter() - t0
         log.info("%s %s in %.1f s: %s", name, "compiled" if compiled else "loaded", seconds, path)
-        return cls(run, path, compiled, seconds, kernels)
+        return cls(run_flat, path, compiled, seconds, kernels)
+
+
+def _flat_entry(path: Path) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """The package's flat entry point (the package's own __call__ parses its tree specs and
+    flattens the inputs on every call: ~0.15 ms, a tenth of an 11m decode step). Through the
+    CPU kernels' `run_program` op where the library is loaded: torch's Python loader holds the
+    GIL for the whole forward, the op releases it, so other threads (a server's event loop)
+    run meanwhile."""
+    if cpu_ops.available():
+        program = torch.classes.agentflash.Program(str(path))
+        return functools.partial(torch.ops.agentflash.run_program, program)
+    return torch._inductor.aoti_load_package(str(path)).loader.boxed_run
 
 
 class CompiledForward(DecodeForward):
