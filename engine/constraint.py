@@ -50,9 +50,11 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     past it, e.g. a model's padded vocabulary, are disallowed)."""
     if not bool(allowed.any()):
         raise RequestError("the output constraint allows no next token")
-    out = torch.full_like(logits, float("-inf"))
     n = min(allowed.shape[-1], logits.shape[-1])
     keep = allowed[..., :n].to(logits.device)
+    if n == logits.shape[-1]:  # the common case (each drafted token of a walk): one fill
+        return logits.masked_fill(~keep, float("-inf"))
+    out = torch.full_like(logits, float("-inf"))
     out[..., :n] = torch.where(keep, logits[..., :n], out[..., :n])
     return out
 
