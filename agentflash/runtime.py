@@ -367,6 +367,7 @@ class Runtime:
         return future.result()
 
     def _loop(self) -> None:
+        self.engine.own_thread()
         while True:
             with self._wake:
                 while not self._inbox and not self.engine.has_work():

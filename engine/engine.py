@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Sequence as Seq
 
 import torch
 
+from agentflash.kernels import cpu_ops
 from .accounting import Accounting, Completion, EngineCounters, SeqUpdate
 from .batch import BatchItem
 from .calibration import measure_prefill_cost, step_costs
@@ -134,6 +135,13 @@ class Engine:
             drafts = DrafterRunner(drafter, model, self.pool, self.kv, draft)
         self.runner = ModelRunner(model, self.pool, self.kv, decode,
                                   drafts or NoDrafter(), self.states)
+        # every forward a compiled program on the CPU kernels (prefill chunks too, whose fused
+        # code is serial): torch's own ops are left the step's small ones (own_thread)
+        self._kernels_only = (
+            decode is not None and decode.kind == "compiled" and decode.takes_prefill
+            and self.states.chunks_apart
+            and (drafts is None or (drafts.forward is not None
+                                    and drafts.forward.kind == "compiled")))
         self.detokenize = detokenize
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.policy = SpeculationPolicy(spec, block_size)
@@ -261,6 +269,15 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def own_thread(self) -> None:
+        """Called on the thread that steps this engine from now on (the runtime's). Where every
+        forward is a compiled program on the CPU kernels, their calls split work over torch's
+        thread count by claiming chunks, and torch's own ops (the step's small ones) run on
+        this thread alone (kernels.cpu_ops.set_engine_thread): on a busy machine a forward
+        slows in proportion to the cores taken from it, not by the OS's time slices."""
+        if self._kernels_only:
+            cpu_ops.set_engine_thread(torch.get_num_threads())
 
     def stats(self) -> dict[str, int]:
         return {**self.kv.stats(), "running": len(self.scheduler.running),

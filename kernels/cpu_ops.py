@@ -17,6 +17,10 @@
   (common/attention_op.cpp): no gathered copy of the context, no batched-matmul calls.
 - `top1(logits, with_prob)`: each row's argmax and the softmax probability there, for a step's
   float32 logits (common/top1.cpp): a few microseconds where torch's reductions take tens.
+- `set_engine_thread(threads)`: the calling thread's kernels split their work over `threads`
+  threads by claiming chunks (common/parallel.cpp) instead of OpenMP's fixed shares, and its
+  torch ops run on it alone: on a busy machine a forward slows in proportion to the cores taken
+  from it instead of waiting out the OS's time slices.
 - `run_program(program, inputs)`: one forward of an AOTInductor package loaded as
   `torch.classes.agentflash.Program(path)` (common/program_op.cpp), with the GIL released (torch's
   Python loader keeps it through the forward), so other threads run meanwhile.
@@ -251,6 +255,15 @@ def fast_many_rows() -> bool:
     less: docs/performance.md). The other sets' kernels are built for few rows; there prefill
     chunks run on oneDNN."""
     return available() and bool(torch.ops.agentflash.amx_tiles())
+
+
+def set_engine_thread(threads: int) -> None:
+    """Make the calling thread an engine thread: the kernels it calls split their work over
+    `threads` threads (it and `threads - 1` workers of the kernels' own pool, which claim chunks
+    of a call one at a time, so the call never waits for a thread the OS has not run) and its
+    other torch ops run on it alone (OpenMP's thread count for this thread is 1), where every
+    forward runs through the kernels. threads <= 0 undoes it. Needs `available()`."""
+    torch.ops.agentflash.set_engine_thread(threads)
 
 
 def loaded() -> bool:

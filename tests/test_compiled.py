@@ -27,7 +27,7 @@ from agentflash.engine.cpu.quantized import (Int8Linear, quantize_drafter_int8,
                                                quantize_linears_int8)
 from agentflash.engine.sampler import SamplingParams
 from agentflash.kernels import cpu_ops
-from skips import CPU_KERNELS, ROW_INVARIANT_ONEDNN_BF16
+from skips import CPU_KERNELS, PREFILL_THROUGH_KERNELS, ROW_INVARIANT_ONEDNN_BF16
 
 PAGE = 16
 
@@ -301,6 +301,43 @@ def test_other_threads_run_while_a_program_computes(model):
         assert all(forwards_before_stopped() < 50 for _ in range(5))
     finally:
         sys.setswitchinterval(interval)
+
+
+@PREFILL_THROUGH_KERNELS.mark
+def test_an_engine_on_its_own_thread_gives_the_same_tokens_on_the_kernels_pool():
+    """Where every forward is a compiled program on the kernels (AMX: prefill chunks too), the
+    thread that steps the engine (`Engine.own_thread`, the runtime's) splits the kernels' work
+    over their own pool and runs its torch ops alone: greedy DFlash tokens, prefill and verify,
+    are those of the same engine stepped on a plain thread (OpenMP's split)."""
+    import threading
+
+    model = load_model(embedded_model_dir(), dtype=torch.bfloat16)
+    engine = Engine(model, drafter=load_drafter(model_drafter_dir(embedded_model_dir()), model),
+                    compile=True)
+    vocab = model.config.vocab_size
+    prompts = [[(31 * i + 7 * j + 5) % vocab for i in range(40 + 300 * j)] for j in range(4)]
+    params = SamplingParams(max_new_tokens=24)
+    want = [c.output_ids for c in engine.generate(prompts, params)]
+    assert engine.counters.draft_tokens > 0  # the drafter's program ran too
+    engine.clear_cache()
+    out: dict = {}
+
+    def run() -> None:
+        engine.own_thread()
+        try:
+            out["threads"] = torch.get_num_threads()
+            out["tokens"] = [c.output_ids for c in engine.generate(prompts, params)]
+        finally:
+            cpu_ops.set_engine_thread(0)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert out["tokens"] == want
+    assert out["threads"] == 1  # its torch ops on it alone
+    names = [open(f"/proc/self/task/{t}/comm").read().strip()
+             for t in os.listdir("/proc/self/task")]
+    assert torch.get_num_threads() == 1 or "agentflash-cpu" in names  # the pool's workers
 
 
 def _wrapper_source(program) -> str:

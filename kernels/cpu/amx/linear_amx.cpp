@@ -174,7 +174,7 @@ void linear_many_rows(const agentflash_cpu::LinearArgs& a) {
     }
   }
   const uint16_t* padded = tail.data();
-  at::parallel_for(0, chunks * col_blocks, 1, [&](int64_t t0, int64_t t1) {
+  agentflash_cpu::parallel_for(0, chunks * col_blocks, 1, [&](int64_t t0, int64_t t1) {
     configure_row_tiles();
     thread_local std::vector<uint16_t> packed;
     packed.resize(kBlock * K);
@@ -228,7 +228,7 @@ bool linear_amx(const LinearArgs& a) {
   }
   const int64_t span = kGroup * kRows;  // rows of W a task's step covers
   const int64_t groups = (N + span - 1) / span;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  agentflash_cpu::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     alignas(64) float c[kGroup * kRows * kRows];
     int64_t configured = 0;
     for (int64_t g = g0; g < g1; ++g) {

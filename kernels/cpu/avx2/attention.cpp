@@ -384,7 +384,7 @@ void attend_all_d(const AttentionCall& c) {
   std::vector<int64_t> most(runs.size());  // the most keys any of a run's queries sees
   for (size_t i = 0; i < runs.size(); ++i) most[i] = c.run(i, 0).longest();
   if (n_runs >= 2 * at::get_num_threads()) {  // whole runs per thread, folded as they go
-    at::parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
+    agentflash_cpu::parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
       thread_local Arena qa, aa, sa;
       for (int64_t item = begin; item < end; ++item) {
         const size_t i = static_cast<size_t>(item);
@@ -421,7 +421,7 @@ void attend_all_d(const AttentionCall& c) {
   thread_local Arena states;
   states.reserve(floats);
   float* base = states.base();
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  agentflash_cpu::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local Arena qa;
     size_t widened = runs.size();  // the run whose queries qa holds (none yet)
     for (int64_t k = begin; k < end; ++k) {
@@ -436,7 +436,7 @@ void attend_all_d(const AttentionCall& c) {
                         Arena::at(base + offset[k], R, D));
     }
   });
-  at::parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
+  agentflash_cpu::parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const size_t i = static_cast<size_t>(item);
       const int64_t R = rows_of(i);

@@ -8,7 +8,6 @@
 // steps' rows, which greedy speculative decoding needs to equal plain decoding.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <xmmintrin.h>
 
 #include <algorithm>
@@ -16,6 +15,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "parallel.h"
 
 namespace agentflash_cpu {
 
@@ -153,7 +154,7 @@ template <typename F>
 inline void attend_per_kv_head(const AttentionCall& call, F&& attend) {
   const int64_t Hkv = call.Hkv;
   with_head_dim(call.D, [&](auto dim) {
-    at::parallel_for(0, static_cast<int64_t>(call.runs->size()) * Hkv, 1,
+    parallel_for(0, static_cast<int64_t>(call.runs->size()) * Hkv, 1,
                      [&](int64_t begin, int64_t end) {
                        for (int64_t item = begin; item < end; ++item) {
                          const size_t i = static_cast<size_t>(item / Hkv);

@@ -14,7 +14,6 @@
 // weights of the shapes its tiles take.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -66,7 +65,7 @@ at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
   const int64_t blocks = (N + kColumns - 1) / kColumns;
   // at least ~16 KB of weights per task: smaller ones cost more to hand out than to compute
   const int64_t grain = std::max<int64_t>(1, 16384 / (2 * kColumns * std::max<int64_t>(K, 1)));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  agentflash_cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     columns(a, b0 * kColumns, std::min(N, b1 * kColumns));
   });
   return y;

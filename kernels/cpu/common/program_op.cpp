@@ -9,7 +9,7 @@
 //
 // `Program` holds the package's loader (`torch.classes.agentflash.Program(path)`); the op takes
 // the program's inputs in order (their ownership passes to the run, as with `boxed_run`) and
-// returns its outputs.
+// returns its outputs. The CPU kernels' workers (parallel.h) are held awake through it.
 
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/custom_class.h>
@@ -18,6 +18,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "parallel.h"
 
 namespace {
 
@@ -28,6 +30,7 @@ struct Program : torch::CustomClassHolder {
 
 std::vector<at::Tensor> run_program(const c10::intrusive_ptr<Program>& program,
                                     std::vector<at::Tensor> inputs) {
+  agentflash_cpu::Hold hold;  // the kernels' workers spin through the forward
   return program->loader.boxed_run(std::move(inputs));
 }
 
