@@ -31,14 +31,14 @@
 #include <limits>
 #include <vector>
 
-#include <ATen/Parallel.h>
-
 #include "../common/kernels.h"
 #include "simd.h"
 
 namespace {
 
 using agentflash_cpu::AttentionCall;
+using agentflash_cpu::kernel_threads;
+using agentflash_cpu::parallel_for;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -383,8 +383,9 @@ void attend_all_d(const AttentionCall& c) {
   const auto rows_of = [&](size_t i) { return (runs[i].second - runs[i].first) * c.Hq; };
   std::vector<int64_t> most(runs.size());  // the most keys any of a run's queries sees
   for (size_t i = 0; i < runs.size(); ++i) most[i] = c.run(i, 0).longest();
-  if (n_runs >= 2 * at::get_num_threads()) {  // whole runs per thread, folded as they go
-    agentflash_cpu::parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
+  // whole runs per thread, folded as they go
+  if (n_runs >= 2 * kernel_threads()) {
+    parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
       thread_local Arena qa, aa, sa;
       for (int64_t item = begin; item < end; ++item) {
         const size_t i = static_cast<size_t>(item);
@@ -421,7 +422,7 @@ void attend_all_d(const AttentionCall& c) {
   thread_local Arena states;
   states.reserve(floats);
   float* base = states.base();
-  agentflash_cpu::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local Arena qa;
     size_t widened = runs.size();  // the run whose queries qa holds (none yet)
     for (int64_t k = begin; k < end; ++k) {
@@ -436,7 +437,7 @@ void attend_all_d(const AttentionCall& c) {
                         Arena::at(base + offset[k], R, D));
     }
   });
-  agentflash_cpu::parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n_runs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const size_t i = static_cast<size_t>(item);
       const int64_t R = rows_of(i);

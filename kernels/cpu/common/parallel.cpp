@@ -38,7 +38,7 @@ constexpr auto kSpin = std::chrono::microseconds(1000);
 
 thread_local int t_threads = 0;        // this thread's share of the pool (0: not an engine thread)
 thread_local int t_omp_threads = 0;    // OpenMP's thread count here before set_engine_thread
-thread_local bool t_in_worker = false;
+thread_local bool t_in_chunks = false;  // a pool worker, or a thread whose job runs
 
 struct Job {
   ChunkFn fn;
@@ -130,7 +130,7 @@ class Pool {
   }
 
   void work(int id) {
-    t_in_worker = true;
+    t_in_chunks = true;
     pthread_setname_np(pthread_self(), "agentflash-cpu");
     uint64_t seen = claim_.load(std::memory_order_acquire);
     for (;;) {
@@ -196,7 +196,7 @@ void run_chunks(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const voi
   const int64_t n = end - begin;
   const int threads = t_threads;
   grain = std::max<int64_t>(grain, 1);
-  if (threads <= 1 || n <= grain || t_in_worker) {
+  if (threads <= 1 || n <= grain || t_in_chunks) {
     fn(body, begin, end);
     return;
   }
@@ -210,6 +210,10 @@ void run_chunks(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const voi
   const int64_t size =
       std::max({grain, (n + per - 1) / per, (n + kMaxChunks - 1) / kMaxChunks});
   pool.ensure(threads - 1);
+  t_in_chunks = true;
+  struct Done {
+    ~Done() { t_in_chunks = false; }
+  } done;
   pool.run(Job{fn, body, begin, end, size}, (n + size - 1) / size);
 }
 

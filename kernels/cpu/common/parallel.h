@@ -12,9 +12,10 @@
 // for chunks another thread claimed and has not finished. A worker the OS has not run yet
 // claims nothing and is never waited for. The workers (started at first use) wait for the next
 // call spinning while a compiled forward runs (`Hold`), and otherwise for a millisecond before
-// they sleep, leaving the cores to other work while the engine waits; torch's own ops on that thread run
-// on it alone, so OpenMP's threads stay asleep too. Every kernel computes each output
-// independently of the chunk and the thread (kernels.h): the numbers are the same either way.
+// they sleep, leaving the cores to other work while the engine waits; torch's own ops on that
+// thread run on it alone, so OpenMP's threads stay asleep too. Every kernel computes each
+// output independently of the chunk and the thread (kernels.h): the numbers are the same
+// either way.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -32,9 +33,15 @@ void set_engine_thread(int threads);
 // The calling thread's share of the pool, 0 where it is not an engine thread.
 int engine_threads();
 
+// The threads a kernel call made here splits its work over.
+inline int kernel_threads() {
+  const int threads = engine_threads();
+  return threads > 0 ? threads : at::get_num_threads();
+}
+
 // f(b0, b1) over chunks covering [begin, end), each at least `grain` long (the last may be
 // shorter), on the calling engine thread and the pool's workers; returns when all have run.
-// Called from a worker or while another thread's call runs on the pool: runs inline.
+// Called from a chunk, or while another thread's call runs on the pool: runs inline.
 void run_chunks(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const void* body);
 
 // While a Hold lives (a compiled forward, common/program_op.cpp) the pool's workers wait for
