@@ -3,12 +3,13 @@ against the engine thread's pool (kernels.cpu_ops.set_engine_thread, what the ru
 thread runs), alone and beside another process busy part of the time.
 
     python tools/bench_busy.py [--batch 6] [--context 1000] [--rows 4] [--calls 300]
+                               [--duties 0,0.2,0.5,1]
 
 The forward is agentflash-11m's compiled decode/verify program (with its drafter's context
 store) over `batch` sequences of `context` tokens, `rows` new tokens each. The other process
-spins for `duty` of every 10 ms and sleeps the rest; a server's event loop and a client on the
-same cores are such a process. Prints the mean milliseconds a forward, each setting measured
-right after the other on the same machine.
+spins for `duty` (each of --duties; 0: none) of every 10 ms and sleeps the rest; a server's
+event loop and a client on the same cores are such a process. Prints the mean milliseconds a
+forward, each setting measured right after the other on the same machine.
 """
 
 from __future__ import annotations
