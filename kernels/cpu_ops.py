@@ -249,12 +249,14 @@ def available() -> bool:
 
 @functools.cache
 def fast_many_rows() -> bool:
-    """Whether the bfloat16 linear keeps up with oneDNN's matmul at a prefill chunk's hundreds
-    of rows: the amx set's tile path, in a process the OS grants the tile state to (on 2 cores
-    of an AMX Xeon, 64 to 512 rows of agentflash-11m's linears take as long as oneDNN's or
-    less: docs/performance.md). The other sets' kernels are built for few rows; there prefill
-    chunks run on oneDNN."""
-    return available() and bool(torch.ops.agentflash.amx_tiles())
+    """Whether a compiled forward on these kernels takes a prefill chunk's hundreds of rows
+    faster than the eager model on oneDNN: the sets with native bfloat16 dot products (amx's
+    tiles, or avx512-bf16's `vdpbf16ps`: on 2 cores their linears reach 90-100% of oneDNN's
+    matmul rate at 64-512 rows of agentflash-11m's, and the program's fused elementwise code
+    makes up the rest: docs/performance.md). AVX2's and AVX512's kernels widen bfloat16 to
+    float32 and are built for few rows; there prefill chunks run on oneDNN."""
+    chosen = isa()
+    return available() and chosen is not None and chosen.name in ("amx", "avx512-bf16")
 
 
 def set_engine_thread(threads: int) -> None:

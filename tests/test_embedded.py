@@ -174,12 +174,12 @@ def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
 
 @PREFILL_THROUGH_KERNELS.mark
 def test_a_prompts_output_is_the_same_alone_and_batched(tokenizer):
-    """Where the decode forward takes prefill chunks too (AMX: DecodeForward.takes_prefill),
-    every row is computed by itself whatever shares its forward, so a prompt's greedy output
-    is the same alone as batched with others, a prefix another prompt computed (in a chunk of
-    another length) included. (Elsewhere a chunk runs on oneDNN in a forward of its own, but a
-    remainder of 32 tokens or fewer after a reused prefix goes through the program, whose
-    numbers are not oneDNN's: held to AVX512-BF16 one embedded prompt's reply differed.)"""
+    """Where the decode forward takes prefill chunks too (AMX, AVX512-BF16:
+    DecodeForward.takes_prefill), every row is computed by itself whatever shares its forward,
+    so a prompt's greedy output is the same alone as batched with others, a prefix another
+    prompt computed (in a chunk of another length) included. (Elsewhere a chunk runs on oneDNN
+    in a forward of its own, but a remainder of 32 tokens or fewer after a reused prefix goes
+    through the program, whose numbers are not oneDNN's, so a reply can differ.)"""
     target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
     prompts = [prompt_ids(tokenizer, c) for c in conversations()]

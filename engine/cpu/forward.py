@@ -201,10 +201,11 @@ class DecodeForward:
     hidden states [R, H] after the final norm. This one runs `TargetStep` eager on the CPU
     kernels.
 
-    `takes_prefill`: the kernels' linears keep up with oneDNN's at a prefill chunk's rows (the
-    AMX tiles, kernels.cpu_ops.fast_many_rows), so the runner sends prefill chunks through
-    this forward too, every item of a step in one forward (rows independent of the call by
-    construction); elsewhere each chunk runs on the eager model in a forward of its own."""
+    `takes_prefill`: a forward on the kernels takes a prefill chunk's rows faster than oneDNN
+    (native bfloat16 dot products: kernels.cpu_ops.fast_many_rows), so the runner sends
+    prefill chunks through this forward too, every item of a step in one forward (rows
+    independent of the call by construction); elsewhere each chunk runs on the eager model in
+    a forward of its own."""
 
     kind = "eager"
 
