@@ -247,16 +247,19 @@ def available() -> bool:
     return why is None
 
 
+MANY_ROWS_ISAS = ("amx", "avx512-bf16")  # the sets `fast_many_rows` holds for
+
+
 @functools.cache
 def fast_many_rows() -> bool:
     """Whether a compiled forward on these kernels takes a prefill chunk's hundreds of rows
     faster than the eager model on oneDNN: the sets with native bfloat16 dot products (amx's
-    tiles, or avx512-bf16's `vdpbf16ps`: on 2 cores their linears reach 90-100% of oneDNN's
-    matmul rate at 64-512 rows of agentflash-11m's, and the program's fused elementwise code
+    tiles, or avx512-bf16's `vdpbf16ps`: on 2 cores their linears reach 90% of oneDNN's matmul
+    rate or more at 64-512 rows of agentflash-11m's, and the program's fused elementwise code
     makes up the rest: docs/performance.md). AVX2's and AVX512's kernels widen bfloat16 to
     float32 and are built for few rows; there prefill chunks run on oneDNN."""
     chosen = isa()
-    return available() and chosen is not None and chosen.name in ("amx", "avx512-bf16")
+    return available() and chosen is not None and chosen.name in MANY_ROWS_ISAS
 
 
 def set_engine_thread(threads: int) -> None:

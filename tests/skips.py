@@ -112,7 +112,7 @@ PREFILL_THROUGH_KERNELS = Need(
     "needs the CPU kernels to take prefill chunks (the amx and avx512-bf16 builds: "
     "DecodeForward.takes_prefill)", cpu_ops.fast_many_rows,
     lambda: _kernels_cannot_run()
-    or getattr(cpu_ops.isa(), "name", None) not in ("amx", "avx512-bf16"))
+    or getattr(cpu_ops.isa(), "name", None) not in cpu_ops.MANY_ROWS_ISAS)
 
 CHROMIUM = Need(f"needs {CHROMIUM_BINARY} (tools/setup.sh installs it, as root)",
                 lambda: shutil.which(CHROMIUM_BINARY) is not None, _never)

@@ -306,10 +306,11 @@ def test_other_threads_run_while_a_program_computes(model):
 
 @PREFILL_THROUGH_KERNELS.mark
 def test_an_engine_on_its_own_thread_gives_the_same_tokens_on_the_kernels_pool():
-    """Where every forward is a compiled program on the kernels (AMX, AVX512-BF16: prefill chunks too), the
-    thread that steps the engine (`Engine.own_thread`, the runtime's) splits the kernels' work
-    over their own pool and runs its torch ops alone: greedy DFlash tokens, prefill and verify,
-    are those of the same engine stepped on a plain thread (OpenMP's split)."""
+    """Where every forward is a compiled program on the kernels (AMX, AVX512-BF16: prefill
+    chunks too), the thread that steps the engine (`Engine.own_thread`, the runtime's) splits
+    the kernels' work over their own pool and runs its torch ops alone: greedy DFlash tokens,
+    prefill and verify, are those of the same engine stepped on a plain thread (OpenMP's
+    split)."""
     import threading
 
     model = load_model(embedded_model_dir(), dtype=torch.bfloat16)

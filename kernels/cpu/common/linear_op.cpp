@@ -133,22 +133,7 @@ at::Tensor linear_int8_dynamic(const at::Tensor& x, const at::Tensor& qweight,
 
 }  // namespace agentflash_cpu
 
-namespace {
-
-// agentflash::amx_tiles: whether linear_bf16 and the attention run on AMX tiles in this process
-// (the amx set's library, and the OS granting the tile state).
-bool amx_tiles() {
-#ifdef __AMX_BF16__
-  return agentflash_cpu::tiles_granted();
-#else
-  return false;
-#endif
-}
-
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
-  m.def("amx_tiles() -> bool", &amx_tiles);
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None, "
         "Tensor? residual=None) -> Tensor");
