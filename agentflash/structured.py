@@ -60,22 +60,16 @@ class OutputSpec:
 class GrammarConstraint:
     """A fresh xgrammar matcher for one generation (implements engine TokenConstraint)."""
 
-    # a byte's eight bits, least significant first, for each of the 256 bytes
-    _BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
-
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int):
         self._matcher = xgr.GrammarMatcher(compiled)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._bytes = self._bitmask[0].view(torch.uint8)  # the same memory, bytewise
-        self._vocab_size = vocab_size
+        self._words = -(-vocab_size // 32)
 
     def allowed(self) -> torch.Tensor:
-        # xgrammar's bitmask holds token i at bit i % 32 of word i // 32 (little-endian words),
-        # so at bit i % 8 of byte i // 8: each byte's bits from the table, where shifting every
-        # word by 0..31 took longer (7 against 11 us a mask on the AMX Xeon; a step builds ~25)
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        bits = self._BYTE_BITS.index_select(0, self._bytes.int())
-        return bits.view(-1)[: self._vocab_size]
+        # packed as the engine takes it: xgrammar's bitmask (token i at bit i % 32 of word
+        # i // 32), a fresh one each call (a verify block keeps one per row)
+        mask = torch.empty(1, self._words, dtype=torch.int32)
+        self._matcher.fill_next_token_bitmask(mask)
+        return mask[0]
 
     def accept(self, token: int) -> bool:
         return self._matcher.accept_token(token)

@@ -349,6 +349,7 @@ class Engine:
         if any(item.seq.constraint is not None for item in items):
             logits = logits.clone()  # masked in place below (out.logits is an inference tensor)
         judged: list[tuple[BatchItem, Rows]] = []
+        masked: list[tuple[BatchItem, int, list[torch.Tensor]]] = []
         for item, (row, count) in zip(items, out.rows):
             seq = item.seq
             if item.start < len(seq.prompt_ids):
@@ -356,24 +357,37 @@ class Engine:
             if not count:
                 continue
             if seq.constraint is not None:
-                try:
-                    self._mask(item, logits[row:row + count])
-                except RequestError as e:  # the sequence's constraint failed; nothing committed
-                    updates.append(self._fail(seq, e))
-                    continue
+                masks = item.masks
+                if not item.verifies:
+                    t_grammar = time.perf_counter()
+                    masks = [seq.constraint.allowed()]
+                    seq.counters.grammar_s += time.perf_counter() - t_grammar
+                assert masks is not None
+                masked.append((item, row, masks[:count]))
             draft = (item.draft or []) if item.verifies else []
             judged.append((item, Rows(row, draft, seq.params, seq.generator,
                                       item.q if item.verifies else None)))
+        if masked:
+            failed = {id(masked[b][0]) for b in self._mask(logits, masked)}
+            for item, _ in judged:
+                if id(item) in failed:  # its grammar failed; nothing committed
+                    updates.append(self._fail(item.seq, RequestError(
+                        "the output constraint allows no next token")))
+            judged = [(item, rows) for item, rows in judged if id(item) not in failed]
         return logits, judged
 
-    def _mask(self, item: BatchItem, logits: torch.Tensor) -> None:
-        """Apply the sequence's grammar to its rows of the step's logits, in place: row k gets
-        the allowed set after the first k drafts."""
-        constraint = item.seq.constraint
-        assert constraint is not None
+    @staticmethod
+    def _mask(logits: torch.Tensor, masked: list[tuple[BatchItem, int, list[torch.Tensor]]]
+              ) -> list[int]:
+        """Apply the grammars to their rows of the step's logits, in place (a verify item's row
+        k gets the allowed set after its first k drafts), in one call; each request's grammar
+        time is its share by rows. Returns the indices into `masked` whose grammar failed."""
         t_grammar = time.perf_counter()
-        mask_rows_(logits, item.masks if item.verifies else [constraint.allowed()])
-        item.seq.counters.grammar_s += time.perf_counter() - t_grammar
+        failed = mask_rows_(logits, [(row, masks) for _, row, masks in masked])
+        share = (time.perf_counter() - t_grammar) / sum(len(m) for _, _, m in masked)
+        for item, _, masks in masked:
+            item.seq.counters.grammar_s += share * len(masks)
+        return failed
 
     def _commit(self, item: BatchItem, draft: list[int], verdict: Verdict,
                 decoding: int) -> SeqUpdate:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentflash.engine.config import CacheConfig, SpecConfig, StepCost
-from agentflash.engine.constraint import mask_rows_, masked
+from agentflash.engine.constraint import allows, mask_rows_, masked, pack
 from agentflash.engine.engine import Engine
 from agentflash.engine.errors import RequestError
 from agentflash.engine.sampler import SamplingParams
@@ -29,7 +29,7 @@ class Cycle:
         self.done = False
         self.rolled_back = 0
 
-    def allowed(self) -> torch.Tensor:
+    def allowed_set(self) -> torch.Tensor:
         mask = torch.zeros(VOCAB, dtype=torch.bool)
         if len(self.tokens) >= self.length:
             mask[STOP] = True
@@ -37,8 +37,11 @@ class Cycle:
             mask[len(self.tokens) % 3:STOP:3] = True
         return mask
 
+    def allowed(self) -> torch.Tensor:
+        return pack(self.allowed_set())
+
     def accept(self, token: int) -> bool:
-        if self.done or not self.allowed()[token]:
+        if self.done or not self.allowed_set()[token]:
             return False
         self.tokens.append(token)
         self.done = token == STOP
@@ -164,8 +167,8 @@ class Broken(Cycle):
     """Claims to allow nothing after its third token."""
 
     def allowed(self) -> torch.Tensor:
-        mask = super().allowed()
-        return mask & False if len(self.tokens) >= 3 else mask
+        mask = super().allowed_set()
+        return pack(mask & False if len(self.tokens) >= 3 else mask)
 
 
 def test_failing_constraint_fails_only_its_sequence(pair):
@@ -185,21 +188,34 @@ def test_failing_constraint_fails_only_its_sequence(pair):
     assert engine.stats()["pages_referenced"] == 0
 
 
-def test_masking_a_verify_blocks_rows_at_once_is_masking_each_row():
-    """A verify block's rows are masked in one call (engine._mask): row k as `masked` makes it
-    with the allowed set after k drafts, tokens past a shorter mask disallowed; a row whose
-    grammar allows nothing is the request's error."""
+def test_masking_a_steps_rows_at_once_is_masking_each_row():
+    """A step's constrained rows are masked in one call (engine._mask): row first + k of each
+    block as `masked` makes it with the allowed set after k drafts, tokens past a shorter mask
+    disallowed, other rows untouched; a block with a row whose grammar allows nothing is
+    reported (the request's error) and the others are still masked."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 10, generator=g)
-    masks = [torch.rand(8, generator=g) < 0.5 for _ in range(3)]  # one row has no mask
-    masks[0][0] = True
-    masks[1][1] = True
-    masks[2][2] = True
+    logits = torch.randn(7, 40, generator=g)
+    sets = [torch.rand(36, generator=g) < 0.5 for _ in range(4)]  # tokens 36.. have no bit
+    for k, mask in enumerate(sets):
+        mask[k] = True
+    masks = [pack(m) for m in sets]
+    assert all(allows(p, t) == bool(m[t]) for p, m in zip(masks, sets) for t in range(36))
+    assert not any(allows(p, t) for p in masks for t in range(36, 70))
+    blocks = [(0, masks[:3]), (4, masks[3:])]  # rows 3, 5 and 6 have no mask
     want = logits.clone()
-    for k in range(3):
-        want[k] = masked(logits[k], masks[k])
+    for first, block in blocks:
+        for k, mask in enumerate(block):
+            want[first + k] = masked(logits[first + k], mask)
+    for k, mask in enumerate(sets[:3]):
+        assert torch.equal(want[k, :36][mask], logits[k, :36][mask])
+        assert torch.isinf(want[k, :36][~mask]).all() and torch.isinf(want[k, 36:]).all()
+    assert torch.equal(want[3], logits[3])
     got = logits.clone()
-    mask_rows_(got, masks)
+    assert mask_rows_(got, blocks) == []
     assert torch.equal(got, want)
+    empty = pack(torch.zeros(36, dtype=torch.bool))
+    got = logits.clone()
+    assert mask_rows_(got, [(0, masks[:3]), (4, [masks[3], empty])]) == [1]
+    assert torch.equal(got[:3], want[:3])
     with pytest.raises(RequestError, match="allows no next token"):
-        mask_rows_(logits.clone(), [masks[0], torch.zeros(8, dtype=torch.bool)])
+        masked(logits[0], empty)
