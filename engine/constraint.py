@@ -56,11 +56,6 @@ def pack(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def allows(packed: torch.Tensor, token: int) -> bool:
-    """Whether the packed mask allows `token`."""
-    return token < 32 * packed.shape[-1] and bool((int(packed[token >> 5]) >> (token & 31)) & 1)
-
-
 ALL = -1
 """A packed word that allows all of its 32 tokens."""
 
@@ -118,7 +113,7 @@ def propose(
     choose: Callable[[int, torch.Tensor], int] | None = None,
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Grammatical drafts from drafter logits [n, V], advancing the matcher through them: at
-    each row the argmax of the allowed tokens (the row's own argmax where the grammar allows
+    each row the argmax of the allowed tokens (the row's own argmax where the matcher accepts
     it: the same token, without masking the row), or `choose(row index, masked logits)` (a
     DFlash2 selector's walk; it must return an allowed token).
 
@@ -131,14 +126,12 @@ def propose(
         if constraint.is_terminated():
             break
         mask = masks[-1]
-        if choose is None:
-            token = int(row.argmax())
-            if not allows(mask, token):
-                token = int(masked(row, mask).argmax())
-        else:
-            token = choose(j, masked(row, mask))
-        if not constraint.accept(token):
-            raise RequestError(f"the output constraint rejected token {token} it allowed")
+        token = int(row.argmax()) if choose is None else -1
+        if token < 0 or not constraint.accept(token):
+            allowed_logits = masked(row, mask)
+            token = int(allowed_logits.argmax()) if choose is None else choose(j, allowed_logits)
+            if not constraint.accept(token):
+                raise RequestError(f"the output constraint rejected token {token} it allowed")
         drafts.append(token)
         # after termination nothing more is committed: the last row's mask is never consulted
         done = constraint.is_terminated()
@@ -154,8 +147,7 @@ def follow(
     drafts: list[int] = []
     masks = [constraint.allowed()]
     for token in tokens:
-        if constraint.is_terminated() or not allows(masks[-1], token) \
-                or not constraint.accept(token):
+        if constraint.is_terminated() or not constraint.accept(token):
             break
         drafts.append(token)
         done = constraint.is_terminated()
