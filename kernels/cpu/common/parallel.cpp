@@ -144,6 +144,7 @@ class Pool {
           _mm_pause();
           changed = claim_.load(std::memory_order_relaxed) != seen;
         }
+        if (!changed) std::this_thread::yield();  // a thread waiting for this core runs first
       }
       if (!changed) {
         std::unique_lock<std::mutex> lock(sleep_);

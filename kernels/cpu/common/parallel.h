@@ -12,7 +12,10 @@
 // for chunks another thread claimed and has not finished. A worker the OS has not run yet
 // claims nothing and is never waited for. The workers (started at first use) wait for the next
 // call spinning while a compiled forward runs (`Hold`), and otherwise for a millisecond before
-// they sleep, leaving the cores to other work while the engine waits; torch's own ops on that
+// they sleep, leaving the cores to other work while the engine waits; a spinning worker yields
+// its core every 64 pauses to any thread waiting for it (an event loop, a client), which then
+// runs between the forward's calls rather than preempting a worker that holds a chunk
+// (docs/performance.md, "A busy machine"). Torch's own ops on that
 // thread run on it alone, so OpenMP's threads stay asleep too. Every kernel computes each
 // output independently of the chunk and the thread (kernels.h): the numbers are the same
 // either way.
@@ -45,9 +48,9 @@ inline int kernel_threads() {
 void run_chunks(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const void* body);
 
 // While a Hold lives (a compiled forward, common/program_op.cpp) the pool's workers wait for
-// the next call spinning, never sleeping: a forward's kernels follow one another microseconds
-// apart. Made on an engine thread, it wakes sleeping workers, which come while the forward
-// starts; elsewhere it does nothing.
+// the next call spinning (and yielding), never sleeping: a forward's kernels follow one
+// another microseconds apart. Made on an engine thread, it wakes sleeping workers, which come
+// while the forward starts; elsewhere it does nothing.
 class Hold {
  public:
   Hold();
