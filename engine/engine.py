@@ -24,7 +24,7 @@ from .accounting import Accounting, Completion, EngineCounters, SeqUpdate
 from .batch import BatchItem
 from .calibration import measure_prefill_cost, step_costs
 from .config import CacheConfig, PrefillCost, SchedulerConfig, SpecConfig
-from .constraint import TokenConstraint, mask_rows_, settle
+from .constraint import TokenConstraint, mask_rows_, nothing_allowed, settle
 from .cpu.fastpath import Prepared, prepare
 from .drafter_runner import DrafterRunner, NoDrafter
 from .drafts import ContextDrafts, DraftSource, DrafterDrafts, PredictionDrafts
@@ -371,8 +371,7 @@ class Engine:
             failed = {id(masked[b][0]) for b in self._mask(logits, masked)}
             for item, _ in judged:
                 if id(item) in failed:  # its grammar failed; nothing committed
-                    updates.append(self._fail(item.seq, RequestError(
-                        "the output constraint allows no next token")))
+                    updates.append(self._fail(item.seq, nothing_allowed()))
             judged = [(item, rows) for item, rows in judged if id(item) not in failed]
         return logits, judged
 
