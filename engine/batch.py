@@ -25,7 +25,9 @@ class BatchItem:
     seq: Sequence
     planned: int
     draft: list[int] | None = None
-    masks: list[torch.Tensor] | None = None  # constrained verify: allowed tokens per block row
+    masks: list[torch.Tensor | None] | None = None  # constrained verify: allowed tokens per
+                                        # block row (engine.constraint.Masks; None where a
+                                        # greedy row's was not needed)
     q: tuple[torch.Tensor, torch.Tensor] | None = None  # sampled drafts: the distribution each
                                         # was drawn from (probs [n, K], token ids [n, K]);
                                         # None: each draft was chosen for certain

@@ -3,15 +3,21 @@
 A `TokenConstraint` is a per-sequence state machine over token ids (a grammar matcher: JSON
 schema, tool-call format). The engine never imports a grammar library; the agent layer adapts
 one (agentflash/structured.py adapts xgrammar) to this protocol. Allowed sets travel packed (32
-tokens a word, as the matcher fills them) and become -inf penalties once a step, for all its rows.
+tokens a word, as the matcher fills them) and become -inf penalties once a step for the sampled
+rows; a greedy row's masked argmax is read off the bits (`masked_choice`).
 
-Speculation and constraints meet in two places:
-- `propose`: before the verify forward, the drafter's logits are masked position by position
-  while the matcher advances through its own proposals, so every draft is grammatical and each
-  verify row gets the mask of the state it is judged in (row k: after anchor + d_1..d_k).
-- `follow`: the same for drafts the caller supplied (a prediction), cut where the grammar
-  would not allow them.
-- `settle` (at commit): the matcher rolls back the rejected drafts and accepts the bonus token.
+Speculation and constraints meet in these places:
+- `propose`: before the verify forward, the matcher advances through the drafter's proposals
+  (a row masked only where the grammar refuses its own argmax), so every draft is grammatical;
+  for sampled rows each verify row gets the mask of the state it is judged in (row k: after
+  anchor + d_1..d_k).
+- `follow`: the same for drafts the caller supplied (a prediction, context drafts), cut where
+  the grammar would not allow them.
+- `settle` (at commit, sampled rows, judged masked): the matcher rolls back the rejected drafts
+  and accepts the bonus token.
+- `settle_greedy` (at commit, greedy rows, judged unmasked): the same, masking only the row
+  whose own argmax the grammar refuses: one allowed set a step where the target keeps to the
+  grammar, not one a row.
 
 Every committed token is the masked target's choice at its state, exactly as in token-by-token
 constrained decoding, so constrained greedy output is identical with and without speculation.
@@ -23,7 +29,9 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from agentflash.kernels import cpu_ops
 from .errors import RequestError
+from .sampler import top1
 
 
 class TokenConstraint(Protocol):
@@ -88,6 +96,18 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits + penalty(allowed.unsqueeze(0), logits.shape[-1])[0].to(logits)
 
 
+def masked_choice(row: torch.Tensor, allowed: torch.Tensor) -> int:
+    """The greedy token of logits [V] among those the packed mask allows: `masked(row,
+    allowed).argmax()`, on CPU by the kernels' `masked_top1` once they are loaded (no masked
+    copy of the row)."""
+    if row.device.type == "cpu" and cpu_ops.loaded():
+        token = int(cpu_ops.masked_top1(row.float().unsqueeze(0), allowed.unsqueeze(0))[0])
+        if token < 0:
+            raise nothing_allowed()
+        return token
+    return int(masked(row, allowed).argmax())
+
+
 def mask_rows_(logits: torch.Tensor, blocks: Sequence[tuple[int, Sequence[torch.Tensor]]]
                ) -> list[int]:
     """In place, for each (first, masks) of `blocks`: row first + k of logits [R, V] as
@@ -112,53 +132,72 @@ def mask_rows_(logits: torch.Tensor, blocks: Sequence[tuple[int, Sequence[torch.
     return sorted({owner[k] for k in (~some).nonzero().flatten().tolist()})
 
 
+Masks = list[torch.Tensor | None]
+"""A verify block's allowed sets, one a state: masks[k] after the first k drafts (None where
+it was not filled)."""
+
+
 def propose(
-    constraint: TokenConstraint, draft_logits: torch.Tensor,
-    choose: Callable[[int, torch.Tensor], int] | None = None,
-) -> tuple[list[int], list[torch.Tensor]]:
+    constraint: TokenConstraint, draft_logits: torch.Tensor, own: Sequence[int],
+    choose: Callable[[int, torch.Tensor], int] | None = None, masks: bool = True,
+) -> tuple[list[int], Masks]:
     """Grammatical drafts from drafter logits [n, V], advancing the matcher through them: at
-    each row the argmax of the allowed tokens (the row's own argmax where the matcher accepts
-    it: the same token, without masking the row), or `choose(row index, masked logits)` (a
-    DFlash2 selector's walk; it must return an allowed token).
+    each row the argmax of the allowed tokens (`own[j]`, the row's own argmax, where the
+    matcher accepts it: the same token, without masking the row), or `choose(row index, masked
+    logits)` (a DFlash2 selector's walk; it must return an allowed token).
 
     Returns (drafts, masks): masks[k] is the packed allowed set after drafts[:k] (len(drafts) +
-    1 masks; the last judges the bonus row). Drafting stops early when the grammar
-    terminates."""
+    1 masks; the last judges the bonus row). With masks=False (greedy rows, judged by
+    `settle_greedy`) a state's mask is filled only where a row's own argmax is refused (and
+    handed on: the target's row there may need it), else None. Drafting stops early when the
+    grammar terminates."""
+    every = masks or choose is not None  # fill every state's mask
     drafts: list[int] = []
-    masks = [constraint.allowed()]
+    out: Masks = []
+    allowed = constraint.allowed() if every else None
+    first = allowed
     for j, row in enumerate(draft_logits):
         if constraint.is_terminated():
             break
         if choose is None:
-            token = int(row.argmax())
+            token = own[j]
             accepted = constraint.accept(token)
             if not accepted:
-                token = int(masked(row, masks[-1]).argmax())
+                allowed = constraint.allowed() if allowed is None else allowed
+                token = masked_choice(row, allowed)
         else:
-            token, accepted = choose(j, masked(row, masks[-1])), False
+            assert allowed is not None
+            token, accepted = choose(j, masked(row, allowed)), False
         if not accepted and not constraint.accept(token):
             raise RequestError(f"the output constraint rejected token {token} it allowed")
         drafts.append(token)
-        # after termination nothing more is committed: the last row's mask is never consulted
-        done = constraint.is_terminated()
-        masks.append(torch.full_like(masks[0], ALL) if done else constraint.allowed())
-    return drafts, masks
+        out.append(allowed)
+        allowed = _state_mask(constraint, first) if first is not None else None
+    out.append(allowed)
+    return drafts, out
 
 
-def follow(
-    constraint: TokenConstraint, tokens: list[int]
-) -> tuple[list[int], list[torch.Tensor]]:
+def follow(constraint: TokenConstraint, tokens: list[int], masks: bool = True
+           ) -> tuple[list[int], Masks]:
     """Given drafts (a caller's prediction): the longest grammatical prefix of `tokens`, the
-    matcher advanced through it, and the masks as `propose` gives them."""
+    matcher advanced through it, and the masks as `propose` gives them (all None with
+    masks=False)."""
     drafts: list[int] = []
-    masks = [constraint.allowed()]
+    out: Masks = [constraint.allowed() if masks else None]
     for token in tokens:
         if constraint.is_terminated() or not constraint.accept(token):
             break
         drafts.append(token)
-        done = constraint.is_terminated()
-        masks.append(torch.full_like(masks[0], ALL) if done else constraint.allowed())
-    return drafts, masks
+        out.append(_state_mask(constraint, out[0]) if masks else None)
+    return drafts, out
+
+
+def _state_mask(constraint: TokenConstraint, like: torch.Tensor) -> torch.Tensor:
+    """The allowed set of the matcher's state; all tokens once it terminated (nothing more is
+    committed there: that row's mask is never consulted)."""
+    if constraint.is_terminated():
+        return torch.full_like(like, ALL)
+    return constraint.allowed()
 
 
 def settle(constraint: TokenConstraint, drafted: int, tokens: list[int]) -> int:
@@ -173,3 +212,37 @@ def settle(constraint: TokenConstraint, drafted: int, tokens: list[int]) -> int:
         if not constraint.accept(token):
             raise RequestError(f"the output constraint rejected token {token} it allowed")
     return len(tokens)
+
+
+def settle_greedy(constraint: TokenConstraint, drafts: list[int], accepted: int, bonus: int,
+                  rows: torch.Tensor, masks: Masks | None = None) -> tuple[int, list[int]]:
+    """Greedy verification under a grammar without a mask per row: `accepted` and `bonus` are
+    the verdict of the unmasked rows [len(drafts) + 1, V] (the matcher advanced through all
+    `drafts`). A row whose own argmax the grammar allows has it as its masked argmax too (the
+    first of the maxima either way), and a draft is allowed in its state, so only the row after
+    the accepted drafts may need its mask: where the grammar refuses its argmax, the row's
+    masked argmax is the bonus, or, if that is the next draft, the draft is accepted and
+    verification goes on (`masks`: the states' allowed sets the draft walk filled, used where
+    known). Leaves the matcher after the committed tokens. Returns (drafts accepted, tokens to
+    commit); a token after the grammar's termination is dropped."""
+    constraint.rollback(len(drafts) - accepted)
+    j, token = accepted, bonus
+    while not constraint.is_terminated():
+        if constraint.accept(token):
+            return j, drafts[:j] + [token]
+        known = masks[j] if masks is not None else None
+        token = masked_choice(rows[j], constraint.allowed() if known is None else known)
+        if j == len(drafts) or token != drafts[j]:
+            if not constraint.accept(token):
+                raise RequestError(f"the output constraint rejected token {token} it allowed")
+            return j, drafts[:j] + [token]
+        # the masked row agrees with the next draft: accept it and judge on
+        constraint.accept(token)
+        j += 1
+        ahead, _ = top1(rows[j:])
+        k = 0
+        while j < len(drafts) and drafts[j] == ahead[k] and not constraint.is_terminated():
+            constraint.accept(drafts[j])
+            j, k = j + 1, k + 1
+        token = ahead[k]
+    return j, drafts[:j]

@@ -9,7 +9,8 @@ a judged step of its drafts (`record`). Three exist:
   position's argmax, or a DFlash2 selector's walk), the verify length cut to the drafts the
   drafter is confident enough of under speculation="auto".
 Under a grammar each draft is checked against it (engine.constraint): a source's drafts stop
-where the grammar would refuse one, and each verify row gets the grammar's mask.
+where the grammar would refuse one, and each sampled verify row gets the grammar's mask
+(greedy rows are checked at commit: engine.constraint.settle_greedy).
 
 To add a source: a class with a `name`, `propose` (`fill` does it for a list of tokens) and
 `record`, listed in
@@ -64,7 +65,7 @@ def fill(items: list[BatchItem], decoding: int, policy: SpeculationPolicy,
             continue
         t_grammar = time.perf_counter()
         try:
-            item.draft, item.masks = follow(seq.constraint, tokens)
+            item.draft, item.masks = follow(seq.constraint, tokens, masks=not seq.params.greedy)
         except RequestError as e:
             failed.append((item, e))
             continue
@@ -166,7 +167,9 @@ class DrafterDrafts:
             try:
                 anchor = item.seq.token_slice(item.start, item.start + 1)[0]
                 item.draft, item.masks = propose(constraint, proposal.logits[i, :n].float(),
-                                                 self.runner.chooser(proposal, i, anchor))
+                                                 drafts[i][:n],
+                                                 self.runner.chooser(proposal, i, anchor),
+                                                 masks=not item.seq.params.greedy)
             except RequestError as e:
                 failed.append((item, e))
                 continue

@@ -24,7 +24,7 @@ from .accounting import Accounting, Completion, EngineCounters, SeqUpdate
 from .batch import BatchItem
 from .calibration import measure_prefill_cost, step_costs
 from .config import CacheConfig, PrefillCost, SchedulerConfig, SpecConfig
-from .constraint import TokenConstraint, mask_rows_, nothing_allowed, settle
+from .constraint import TokenConstraint, mask_rows_, nothing_allowed, settle, settle_greedy
 from .cpu.fastpath import Prepared, prepare
 from .drafter_runner import DrafterRunner, NoDrafter
 from .drafts import ContextDrafts, DraftSource, DrafterDrafts, PredictionDrafts
@@ -307,7 +307,7 @@ class Engine:
         verdicts = judge(logits, [rows for _, rows in judged]) if judged else []
         for (item, rows), verdict in zip(judged, verdicts):
             try:
-                updates.append(self._commit(item, rows.drafts, verdict, decoding))
+                updates.append(self._commit(item, rows, verdict, logits, decoding))
             except RequestError as e:
                 updates.append(self._fail(item.seq, e))
         self.counters.step_s += time.perf_counter() - t_step
@@ -343,10 +343,12 @@ class Engine:
 
     def _rows(self, items: list[BatchItem], out: RunnerOutput, updates: list[SeqUpdate]
               ) -> tuple[torch.Tensor, list[tuple[BatchItem, Rows]]]:
-        """The step's logits (masked by each request's grammar) and the rows each sampling
-        item is judged by."""
+        """The step's logits (a sampling request's rows masked by its grammar; greedy ones are
+        checked at commit, engine.constraint.settle_greedy) and the rows each sampling item is
+        judged by."""
         logits = out.logits
-        if any(item.seq.constraint is not None for item in items):
+        if any(item.seq.constraint is not None and not item.seq.params.greedy
+               for item in items):
             logits = logits.clone()  # masked in place below (out.logits is an inference tensor)
         judged: list[tuple[BatchItem, Rows]] = []
         masked: list[tuple[BatchItem, int, list[torch.Tensor]]] = []
@@ -356,14 +358,15 @@ class Engine:
                 self.states.prefilled(item)
             if not count:
                 continue
-            if seq.constraint is not None:
-                masks = item.masks
-                if not item.verifies:
+            if seq.constraint is not None and not seq.params.greedy:
+                masks = item.masks if item.verifies else None
+                if masks is None:
                     t_grammar = time.perf_counter()
                     masks = [seq.constraint.allowed()]
                     seq.counters.grammar_s += time.perf_counter() - t_grammar
-                assert masks is not None
-                masked.append((item, row, masks[:count]))
+                filled = [m for m in masks[:count] if m is not None]
+                assert len(filled) == count  # a sampled row's drafts were walked with masks
+                masked.append((item, row, filled))
             draft = (item.draft or []) if item.verifies else []
             judged.append((item, Rows(row, draft, seq.params, seq.generator,
                                       item.q if item.verifies else None)))
@@ -388,16 +391,23 @@ class Engine:
             item.seq.counters.grammar_s += share * len(masks)
         return failed
 
-    def _commit(self, item: BatchItem, draft: list[int], verdict: Verdict,
+    def _commit(self, item: BatchItem, rows: Rows, verdict: Verdict, logits: torch.Tensor,
                 decoding: int) -> SeqUpdate:
-        """Append a verdict's tokens to the sequence, keep the KV of what is committed, count
-        it, and plan the sequence's next step."""
-        seq = item.seq
+        """Append a verdict's tokens to the sequence (under a grammar, as it settles them),
+        keep the KV of what is committed, count it, and plan the sequence's next step."""
+        seq, draft = item.seq, rows.drafts
         constraint = seq.constraint
         tokens = draft[: verdict.accepted] + [verdict.bonus]
         if constraint is not None:
             t_grammar = time.perf_counter()
-            tokens = tokens[: settle(constraint, len(draft), tokens)]
+            if seq.params.greedy:
+                accepted, tokens = settle_greedy(
+                    constraint, draft, verdict.accepted, verdict.bonus,
+                    logits[rows.start:rows.start + len(draft) + 1],
+                    item.masks if item.verifies else None)
+                verdict = verdict._replace(accepted=accepted)
+            else:
+                tokens = tokens[: settle(constraint, len(draft), tokens)]
             seq.counters.grammar_s += time.perf_counter() - t_grammar
         if not seq.output_ids:
             seq.counters.first_token_at = time.perf_counter()

@@ -16,7 +16,9 @@
   each query over its sequence's keys in the paged pool, read in place through its page table
   (common/attention_op.cpp): no gathered copy of the context, no batched-matmul calls.
 - `top1(logits, with_prob)`: each row's argmax and the softmax probability there, for a step's
-  float32 logits (common/top1.cpp): a few microseconds where torch's reductions take tens.
+  float32 logits (common/top1.cpp): a few microseconds where torch's reductions take tens;
+  `masked_top1(logits, allowed)`: each row's argmax among the tokens a packed grammar mask
+  allows.
 - `set_engine_thread(threads)`: the calling thread's kernels split their work over `threads`
   threads by claiming chunks (common/parallel.cpp) instead of OpenMP's fixed shares, and its
   torch ops run on it alone: on a busy machine a forward slows in proportion to the cores taken
@@ -354,6 +356,13 @@ def top1(logits: torch.Tensor, with_prob: bool) -> tuple[torch.Tensor, torch.Ten
     torch.argmax) of float32 logits [R, V] and, with_prob, the softmax probability there [R]
     (float32; else empty)."""
     return torch.ops.agentflash.top1(logits, with_prob)
+
+
+def masked_top1(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [R] (int64) of float32 logits [R, V] among the tokens its packed mask
+    in allowed [R, W] (int32, token i at bit i % 32 of word i // 32) allows, as torch.argmax
+    over the row with -inf added elsewhere; -1 where the mask allows nothing."""
+    return torch.ops.agentflash.masked_top1(logits, allowed)
 
 
 def _register_fakes() -> None:

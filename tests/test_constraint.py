@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentflash.engine.config import CacheConfig, SpecConfig, StepCost
-from agentflash.engine.constraint import mask_rows_, masked, pack, penalty
+from agentflash.engine.constraint import mask_rows_, masked, pack, penalty, settle_greedy
 from agentflash.engine.engine import Engine
 from agentflash.engine.errors import RequestError
 from agentflash.engine.sampler import SamplingParams
@@ -164,18 +164,20 @@ def test_constrained_sampling_stays_in_grammar(pair):
 
 
 class Broken(Cycle):
-    """Claims to allow nothing after its third token."""
+    """Allows nothing after its third token."""
 
-    def allowed(self) -> torch.Tensor:
+    def allowed_set(self) -> torch.Tensor:
         mask = super().allowed_set()
-        return pack(mask & False if len(self.tokens) >= 3 else mask)
+        return mask & False if len(self.tokens) >= 3 else mask
 
 
-def test_failing_constraint_fails_only_its_sequence(pair):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_failing_constraint_fails_only_its_sequence(pair, temperature):
+    """Greedy rows (checked at commit) and sampled ones (masked before judging) alike."""
     model, drafter = pair
     engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4),
                     speculation="always")
-    params = SamplingParams(max_new_tokens=12)
+    params = SamplingParams(temperature=temperature, seed=1, max_new_tokens=12)
     good = engine.submit([1, 2, 3], params, constraint=Cycle(8))
     bad = engine.submit([1, 2, 3], params, constraint=Broken(8))
     while engine.has_work():
@@ -219,3 +221,51 @@ def test_masking_a_steps_rows_at_once_is_masking_each_row():
     assert torch.equal(got[:3], want[:3])
     with pytest.raises(RequestError, match="allows no next token"):
         masked(logits[0], empty)
+
+
+def test_greedy_rows_settled_without_masks_are_the_masked_verdict():
+    """settle_greedy (greedy rows judged unmasked, a mask only where the grammar refuses a
+    row's argmax) commits what masking every row and judging greedily commits, and leaves the
+    matcher after those tokens: random rows and grammatical drafts, the target often refusing
+    the grammar and often agreeing with a draft only once masked; with and without some of the
+    states' masks handed on by the draft walk."""
+    g = torch.Generator().manual_seed(0)
+    resumed = 0
+    for trial in range(300):
+        length = int(torch.randint(2, 9, (1,), generator=g))
+        grammar = Cycle(length)
+        drafts, states = [], [grammar.allowed()]  # each state's mask, for the walk's hand-on
+        for _ in range(int(torch.randint(0, 6, (1,), generator=g))):
+            ok = grammar.allowed_set().nonzero().flatten()
+            token = int(ok[torch.randint(len(ok), (1,), generator=g)])
+            if grammar.is_terminated() or not grammar.accept(token):
+                break
+            drafts.append(token)
+            states.append(grammar.allowed())
+        known = [m if float(torch.rand(1, generator=g)) < 0.5 else None for m in states]
+        rows = torch.randn(len(drafts) + 1, VOCAB, generator=g)
+        for k, d in enumerate(drafts):  # the target often agrees with a draft, or nearly
+            rows[k, d] += float(torch.rand(1, generator=g)) * 3
+        # reference: every row masked with its state's allowed set, judged greedily
+        ref = Cycle(length)
+        want, want_accepted = [], 0
+        for k in range(len(drafts) + 1):
+            if ref.is_terminated():
+                break
+            choice = int(masked(rows[k], pack(ref.allowed_set())).argmax())
+            ref.accept(choice)
+            want.append(choice)
+            if k == len(drafts) or choice != drafts[k]:
+                break
+            want_accepted += 1
+        raw = rows.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == raw[accepted]:
+            accepted += 1
+        got_accepted, got = settle_greedy(grammar, drafts, accepted, raw[accepted], rows,
+                                          known if trial % 2 else None)
+        assert (got_accepted, got) == (want_accepted, want), trial
+        assert grammar.tokens == ref.tokens and grammar.done == ref.done
+        resumed += got_accepted > accepted
+    assert resumed > 0  # a masked row agreed with its draft and verification went on
+

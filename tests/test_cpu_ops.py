@@ -18,6 +18,8 @@ from agentflash.engine.attention import PagedAttention
 from agentflash.engine.cpu.attention import KernelAttention
 from agentflash.engine.cpu.kernel_linear import (WIDEN_ROWS, KernelLinear, WidenedLinear,
                                                  float32_packing_available, with_kernel_linears)
+from agentflash.engine.constraint import masked, masked_choice, pack
+from agentflash.engine.errors import RequestError
 from agentflash.engine.sampler import top1
 from agentflash.kernels import cpu_ops
 from skips import CPU_KERNELS, OTHER_CPU_BUILDS, other_cpu_builds
@@ -273,6 +275,35 @@ def test_top1_is_torch_argmax_and_the_softmax_there(shape, monkeypatch):
     torch_index, torch_prob = top1(logits, with_prob=True)
     assert torch_index == index
     assert torch.allclose(torch.tensor(torch_prob), torch.tensor(prob), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("vocab", [4096, 70, 5])
+def test_masked_top1_is_torch_argmax_of_the_masked_row(vocab, monkeypatch):
+    """The greedy token under a packed grammar mask (engine.constraint.masked_choice): as
+    `masked(row, mask).argmax()`, ties to the first allowed index, tokens past a short mask
+    refused, a row allowing nothing -1 (the request's error)."""
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(8, vocab, generator=g) * 4
+    rows[:, 1] = rows[:, 3] = rows.amax(-1) + 1  # a tie: the first allowed wins
+    rows[2, :vocab // 2] = float("-inf")
+    words = -(-vocab // 32) - (vocab == 70)  # 70 tokens, 2 words: tokens 64.. never allowed
+    sets = torch.rand(8, words * 32, generator=g) < torch.tensor(
+        [0.5, 0.02, 0.9, 1.0, 0.1, 0.5, 0.5, 0.0]).unsqueeze(1)
+    sets[5, 1] = False  # the tie's first refused: the second wins
+    masks = torch.stack([pack(m) for m in sets])
+    got = cpu_ops.masked_top1(rows, masks).tolist()
+    for r in range(8):
+        if not sets[r, :vocab].any():
+            assert got[r] == -1
+            with pytest.raises(RequestError):
+                masked_choice(rows[r], masks[r])
+            continue
+        want = int(masked(rows[r], masks[r]).argmax())
+        assert got[r] == want and sets[r, want]
+        assert masked_choice(rows[r], masks[r]) == want
+        monkeypatch.setattr(cpu_ops, "_loaded", False)  # the torch path
+        assert masked_choice(rows[r], masks[r]) == want
+        monkeypatch.setattr(cpu_ops, "_loaded", True)
 
 
 def test_top1_treats_nan_and_masked_rows_as_torch_does():
