@@ -151,11 +151,11 @@ def propose(
     `settle_greedy`) a state's mask is filled only where a row's own argmax is refused (and
     handed on: the target's row there may need it), else None. Drafting stops early when the
     grammar terminates."""
-    every = masks or choose is not None  # fill every state's mask
     drafts: list[int] = []
     out: Masks = []
-    allowed = constraint.allowed() if every else None
-    first = allowed
+    # every state's mask is filled where rows are masked or a selector chooses among them
+    first = constraint.allowed() if masks or choose is not None else None
+    allowed = first
     for j, row in enumerate(draft_logits):
         if constraint.is_terminated():
             break

@@ -13,10 +13,10 @@
 //
 // agentflash::masked_top1: the same choice among the tokens a packed grammar mask allows
 // (xgrammar's bitmask: token i at bit i % 32 of word i // 32; tokens past the mask are not
-// allowed), the greedy token under a grammar: ~1-4 us a row where torch's masked copy and
-// argmax take ~20. The first of equal maxima or the first allowed NaN, as torch.argmax over the
-// row with -inf added elsewhere; where every allowed logit is -inf, the first allowed token; -1
-// where the mask allows nothing.
+// allowed), the greedy token under a grammar without a masked copy of the row: the first of
+// equal maxima, as torch.argmax over the row with -inf added elsewhere; the first allowed NaN
+// where one is allowed (torch's masked row could give a refused one); where every allowed
+// logit is -inf, the first allowed token; -1 where the mask allows nothing.
 
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>
