@@ -264,6 +264,15 @@ def fast_many_rows() -> bool:
     return available() and chosen is not None and chosen.name in MANY_ROWS_ISAS
 
 
+def tile_linears() -> bool:
+    """Whether the kernels' bfloat16 linears run on AMX tiles here: faster than the int8
+    kernel (`linear_int8`, dynamic) at every row count measured (agentflash-11m's drafter
+    shapes, 8 to 512 rows: 0.2-0.6x its time; docs/performance.md), where with the other sets
+    the int8 kernel reads half the bytes and wins."""
+    chosen = isa()
+    return available() and chosen is not None and chosen.name == "amx"
+
+
 def set_engine_thread(threads: int) -> None:
     """Make the calling thread an engine thread: the kernels it calls split their work over
     `threads` threads (it and `threads - 1` workers of the kernels' own pool, which claim chunks

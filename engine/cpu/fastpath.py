@@ -51,14 +51,16 @@ One transformation changes the output's numbers and so runs only when asked for
 
 One changes the drafter's numbers only, never the output (the target verifies every draft),
 and so runs by default:
-- `int8-drafter` (CPU, bfloat16, where agentflash's CPU kernels run, with a drafter): the
-  drafter's linears (its context projection included) become per-channel int8, and it drafts
-  with an int8 copy of the target's head (`DFlashDraftModel.head`; an int8 target's head is
-  already int8 and is shared, through a view). Its forward and the context store of every step
-  read half the bytes: on agentflash-11m the drafter's forward costs ~20% less, and a replay of
-  its drafts on held-out agent prompts (tools/eval_policy.py) commits as many tokens per step as
+- `int8-drafter` (CPU, bfloat16, where agentflash's CPU kernels run, with a drafter; not where
+  their bfloat16 linears run on AMX tiles, unless the target is int8 too): the drafter's
+  linears (its context projection included) become per-channel int8, and it drafts with an
+  int8 copy of the target's head (`DFlashDraftModel.head`; an int8 target's head is already
+  int8 and is shared, through a view). Its forward and the context store of every step read
+  half the bytes: on agentflash-11m the drafter's forward costs ~20% less, and a replay of its
+  drafts on held-out agent prompts (tools/eval_policy.py) commits as many tokens per step as
   the bfloat16 drafter's (docs/performance.md). Its layers are `dynamic` (x's rows quantized
-  to 16-bit integers in the kernel, summed exactly in int32).
+  to 16-bit integers in the kernel, summed exactly in int32). AMX tiles take the bfloat16
+  linears in 0.2-0.6x the int8 kernel's time at 8-512 rows (kernels.cpu_ops.tile_linears).
 
 Hybrid targets (Qwen3.5, engine.models.qwen3_5) run eager; in bfloat16 on a CPU without native
 bf16 matmuls their linears and MoE experts run the CPU kernel (`cpu-kernel-linears`), else
@@ -152,7 +154,12 @@ def _kernel_head(model: CausalLM) -> None:
 
 def _drafts_int8(model: CausalLM, drafter: DFlashDraftModel | None,
                  quantize: str | None) -> bool:
-    return drafter is not None and _cpu_bf16(model) and cpu_ops.available()
+    """Where the kernels run, unless their bfloat16 linears run on AMX tiles (faster there
+    than the int8 kernel at every row count) for a bfloat16 target; an int8 target's drafter
+    is int8 too (it drafts with the target's int8 head)."""
+    int8_target = quantize == "int8" or isinstance(model.lm_head, Int8Linear)
+    return drafter is not None and _cpu_bf16(model) and cpu_ops.available() and (
+        int8_target or not cpu_ops.tile_linears())
 
 
 def _packs(model: CausalLM, drafter: DFlashDraftModel | None, quantize: str | None) -> bool:

@@ -14,7 +14,8 @@ call. The model's head gets an int8 copy of its matrix too (tied embeddings keep
 lookup): at Qwen3-0.6B's size it is a quarter of the weights.
 
 `quantize_drafter_int8` does the same to a DFlash drafter, whose numbers only decide which
-drafts are proposed: engine.cpu.fastpath's `int8-drafter`, on by default where the kernels run. Its
+drafts are proposed: engine.cpu.fastpath's `int8-drafter`, on by default where the kernels run
+(except on AMX tiles, where bfloat16 linears are faster at every row count). Its
 layers are `dynamic`: their kernel rows quantize x to 16-bit integers too and sum the products in
 int32 (kernels.cpu_ops.linear_int8, dynamic): 1.3-2.9x the float32 kernel's speed on a
 drafter's 1-15 rows when its weights are in cache, about the same at 1-2 rows from memory; a
