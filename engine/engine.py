@@ -428,15 +428,16 @@ class Engine:
         return update
 
     def _fail(self, seq: Sequence, error: Exception) -> SeqUpdate:
-        """Finish `seq` with an error, keeping (cached) only the KV of its committed tokens."""
-        if seq.kv is not None:
-            self.kv.truncate(seq.kv, min(seq.kv.length, seq.num_tokens - 1))
+        """Finish `seq` with an error."""
         seq.error, seq.finish_reason = error, "error"
         return self._finish(seq)
 
     def _finish(self, seq: Sequence, update: SeqUpdate | None = None) -> SeqUpdate:
+        """End `seq`, keeping (cached) only the KV of its committed tokens: a step that failed
+        midway (a forward that raised) may have extended it past them."""
         pin = None
         if seq.kv is not None:
+            self.kv.truncate(seq.kv, min(seq.kv.length, seq.num_tokens - 1))
             self.kv.cache(seq.kv, seq.tokens)
             ok = seq.error is None and seq.finish_reason != "abort"
             if ok:

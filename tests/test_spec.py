@@ -225,6 +225,35 @@ def assert_target_distribution(engine: Engine, model, prompt: list[int], params:
                              total) < 1e-3
 
 
+def test_a_forward_that_raises_leaves_its_requests_abortable(pair, monkeypatch):
+    """A target forward that raises midway (a kernel's check, memory) leaves the step's KV
+    extended past what its sequences committed. Aborting them, as the runtime does with every
+    live request after a failed step, keeps only their committed tokens' KV, frees every page,
+    and the engine serves the next request."""
+    model, drafter = pair
+    engine = Engine(model, CacheConfig(4, 512), drafter=drafter, spec=SpecConfig(4),
+                    speculation="always")
+    ids = [engine.submit(p, SamplingParams(max_new_tokens=30)) for p in prompts_for(2, 16, seed=3)]
+    engine.step()
+    engine.step()
+
+    def boom(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.runner.states, "forward", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    monkeypatch.undo()
+    assert any(engine.sequence(i).kv.length > engine.sequence(i).num_tokens for i in ids)
+    for i in ids:
+        engine.abort(i)
+        assert engine.result(i).finish_reason == "abort"
+    engine.kv.check_integrity()
+    assert engine.stats()["pages_referenced"] == 0
+    (done,) = engine.generate(prompts_for(1, 16, seed=4), SamplingParams(max_new_tokens=5))
+    assert len(done.output_ids) == 5
+
+
 def test_bad_speculative_settings_are_clear(tmp_path, pair):
     model, drafter = pair
     with pytest.raises(ValueError, match="block_size"):
