@@ -337,8 +337,12 @@ def test_an_engine_on_its_own_thread_gives_the_same_tokens_on_the_kernels_pool()
     thread.join()
     assert out["tokens"] == want
     assert out["threads"] == 1  # its torch ops on it alone
-    names = [open(f"/proc/self/task/{t}/comm").read().strip()
-             for t in os.listdir("/proc/self/task")]
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+            pass
     assert torch.get_num_threads() == 1 or "agentflash-cpu" in names  # the pool's workers
 
 
