@@ -9,8 +9,8 @@ With a decode/verify forward (engine.cpu.forward: compiled ahead of time, or eag
 kernels; engine.graphs: replayed per bucket), every decode row and verify block runs through
 it; each prefill chunk runs in a forward of its own (the scheduler cuts prompts at fixed
 positions), so a sequence's rows never depend on what else was scheduled with them. Where the
-CPU kernels take prefill's row counts faster than oneDNN (AMX, AVX512-BF16:
-`DecodeForward.takes_prefill`), the chunks go through that forward too, with the step's other
+CPU kernels take prefill's row counts faster than oneDNN (AMX, AVX512-BF16; compiled, AVX2
+too: `DecodeForward.takes_prefill`), the chunks go through that forward too, with the step's other
 items: its linears and attention compute each row by itself, whatever else the call holds.
 
 With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V; the

@@ -249,19 +249,25 @@ def available() -> bool:
     return why is None
 
 
-MANY_ROWS_ISAS = ("amx", "avx512-bf16")  # the sets `fast_many_rows` holds for
+MANY_ROWS_ISAS = ("amx", "avx512-bf16")  # the sets `fast_many_rows` holds for, eager or not
+COMPILED_MANY_ROWS_ISAS = (*MANY_ROWS_ISAS, "avx2")  # and those it holds for compiled forwards
 
 
 @functools.cache
-def fast_many_rows() -> bool:
-    """Whether a compiled forward on these kernels takes a prefill chunk's hundreds of rows
-    faster than the eager model on oneDNN: the sets with native bfloat16 dot products (amx's
-    tiles, or avx512-bf16's `vdpbf16ps`: on 2 cores their linears reach 90% of oneDNN's matmul
-    rate or more at 64-512 rows of agentflash-11m's, and the program's fused elementwise code
-    makes up the rest: docs/performance.md). AVX2's and AVX512's kernels widen bfloat16 to
-    float32 and are built for few rows; there prefill chunks run on oneDNN."""
+def fast_many_rows(compiled: bool = False) -> bool:
+    """Whether a forward on these kernels (compiled ahead of time, or eager) takes a prefill
+    chunk's hundreds of rows faster than the eager model on oneDNN. Eager or compiled: the sets
+    with native bfloat16 dot products (amx's tiles, or avx512-bf16's `vdpbf16ps`: on 2 cores
+    their linears reach 90% of oneDNN's matmul rate or more at 64-512 rows of
+    agentflash-11m's). Compiled only: avx2, whose kernels widen bfloat16 to float32 and reach
+    80-88% of oneDNN's float32 matmul at 512 rows (120-122 against 139-150 GFLOP/s on a 2-core
+    EPYC), where the program makes up the rest: its fused elementwise code, the GIL released
+    for the whole forward, a step's decode rows in the same forward (docs/performance.md).
+    AVX512's kernels (without bf16) are not measured at many rows: there prefill chunks run on
+    oneDNN."""
     chosen = isa()
-    return available() and chosen is not None and chosen.name in MANY_ROWS_ISAS
+    names = COMPILED_MANY_ROWS_ISAS if compiled else MANY_ROWS_ISAS
+    return available() and chosen is not None and chosen.name in names
 
 
 def tile_linears() -> bool:

@@ -109,10 +109,11 @@ ROW_INVARIANT_BF16 = Need(
     lambda: cpu_ops.available() or bf16_gemm_rows_are_independent(), _kernels_cannot_run)
 
 PREFILL_THROUGH_KERNELS = Need(
-    "needs the CPU kernels to take prefill chunks (the amx and avx512-bf16 builds: "
-    "DecodeForward.takes_prefill)", cpu_ops.fast_many_rows,
+    "needs the compiled forward on the CPU kernels to take prefill chunks (the amx, "
+    "avx512-bf16 and avx2 builds: DecodeForward.takes_prefill)",
+    lambda: cpu_ops.fast_many_rows(compiled=True),
     lambda: _kernels_cannot_run()
-    or getattr(cpu_ops.isa(), "name", None) not in cpu_ops.MANY_ROWS_ISAS)
+    or getattr(cpu_ops.isa(), "name", None) not in cpu_ops.COMPILED_MANY_ROWS_ISAS)
 
 CHROMIUM = Need(f"needs {CHROMIUM_BINARY} (tools/setup.sh installs it, as root)",
                 lambda: shutil.which(CHROMIUM_BINARY) is not None, _never)

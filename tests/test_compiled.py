@@ -108,7 +108,7 @@ def test_rows_do_not_depend_on_the_forward_and_kv_is_stored_in_place(model, kern
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 def test_prefill_chunks_beside_other_rows_are_the_same_as_alone(model, compiled):
     """On the CPU kernels the decode/verify forward takes prefill chunks too (the runner sends
-    them there where the kernels are fast at many rows: AMX, AVX512-BF16,
+    them there where the kernels are fast at many rows: AMX, AVX512-BF16, compiled on AVX2 too:
     `DecodeForward.takes_prefill`): a chunk's rows and stored K/V are the same alone and in one
     forward with a decode row and another sequence's chunk, and the forward returns just the
     rows asked for."""
@@ -306,7 +306,7 @@ def test_other_threads_run_while_a_program_computes(model):
 
 @PREFILL_THROUGH_KERNELS.mark
 def test_an_engine_on_its_own_thread_gives_the_same_tokens_on_the_kernels_pool():
-    """Where every forward is a compiled program on the kernels (AMX, AVX512-BF16: prefill
+    """Where every forward is a compiled program on the kernels (AMX, AVX512-BF16, AVX2: prefill
     chunks too), the thread that steps the engine (`Engine.own_thread`, the runtime's) splits
     the kernels' work over their own pool and runs its torch ops alone: greedy DFlash tokens,
     prefill and verify, are those of the same engine stepped on a plain thread (OpenMP's

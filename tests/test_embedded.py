@@ -174,7 +174,7 @@ def test_dflash_greedy_equals_plain_in_bfloat16(tokenizer, compile):
 
 @PREFILL_THROUGH_KERNELS.mark
 def test_a_prompts_output_is_the_same_alone_and_batched(tokenizer):
-    """Where the decode forward takes prefill chunks too (AMX, AVX512-BF16:
+    """Where the compiled decode forward takes prefill chunks too (AMX, AVX512-BF16, AVX2:
     DecodeForward.takes_prefill), every row is computed by itself whatever shares its forward,
     so a prompt's greedy output is the same alone as batched with others, a prefix another
     prompt computed (in a chunk of another length) included. (Elsewhere a chunk runs on oneDNN
@@ -183,7 +183,8 @@ def test_a_prompts_output_is_the_same_alone_and_batched(tokenizer):
     target = load_model(embedded_model_dir(), dtype=torch.bfloat16)
     drafter = load_drafter(model_drafter_dir(embedded_model_dir()), target)
     prompts = [prompt_ids(tokenizer, c) for c in conversations()]
-    for engine in (Engine(target), Engine(target, drafter=drafter, spec=SpecConfig(16))):
+    for engine in (Engine(target, compile=True),
+                   Engine(target, drafter=drafter, spec=SpecConfig(16), compile=True)):
         assert engine.runner.decode.takes_prefill
         batched = [c.output_ids for c in run(engine, prompts, 64)]
         assert [run(engine, [p], 64)[0].output_ids for p in prompts] == batched

@@ -16,7 +16,7 @@ serves every decode and verify row, so speculative output equals plain output wi
   decode forward (compiled, or eager on the CPU kernels) only the head is packed, and the
   layers, which then serve prefill chunks only, round their rows up to a multiple of 32
   (engine.cpu.bucketed: oneDNN builds a kernel per shape, and chunks come in every length);
-  where the decode forward takes prefill chunks too (AMX, AVX512-BF16:
+  where the decode forward takes prefill chunks too (AMX, AVX512-BF16; compiled, AVX2 too:
   `DecodeForward.takes_prefill`) the eager layers serve no row, and their buckets are not built.
 
 - `cpu-kernels` (with the compiled step, where agentflash's CPU kernels run: kernels.cpu_ops,

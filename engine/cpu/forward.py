@@ -202,17 +202,17 @@ class DecodeForward:
     kernels.
 
     `takes_prefill`: a forward on the kernels takes a prefill chunk's rows faster than oneDNN
-    (native bfloat16 dot products: kernels.cpu_ops.fast_many_rows), so the runner sends
-    prefill chunks through this forward too, every item of a step in one forward (rows
-    independent of the call by construction); elsewhere each chunk runs on the eager model in
-    a forward of its own."""
+    (kernels.cpu_ops.fast_many_rows: native bfloat16 dot products; compiled, AVX2 too), so the
+    runner sends prefill chunks through this forward too, every item of a step in one forward
+    (rows independent of the call by construction); elsewhere each chunk runs on the eager
+    model in a forward of its own."""
 
     kind = "eager"
 
     def __init__(self, kernels: bool, step: TargetStep | None = None) -> None:
         self.kernels = kernels     # linears and attention through agentflash's CPU kernels
         self.returns_logits = kernels  # the head inside (TargetStep)
-        self.takes_prefill = kernels and cpu_ops.fast_many_rows()
+        self.takes_prefill = kernels and cpu_ops.fast_many_rows(self.kind == "compiled")
         self.step = step
 
     @classmethod
