@@ -11,7 +11,9 @@ it; each prefill chunk runs in a forward of its own (the scheduler cuts prompts 
 positions), so a sequence's rows never depend on what else was scheduled with them. Where the
 CPU kernels take prefill's row counts faster than oneDNN (AMX, AVX512-BF16; compiled, AVX2
 too: `DecodeForward.takes_prefill`), the chunks go through that forward too, with the step's other
-items: its linears and attention compute each row by itself, whatever else the call holds.
+items: its linears and attention compute each row by itself, whatever else the call holds (the
+chunks' rows laid out first and counted, for the linears' float32 matrix product of prefill
+rows: kernels.cpu_ops.many_rows_kernel).
 
 With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V; the
 linear-attention states travel through `LinearStates.forward` (engine.states), every item in
@@ -88,16 +90,25 @@ class ModelRunner:
         return RunnerOutput(torch.cat([p.logits for p in parts]), rows)
 
     def _forward(self, items: list[BatchItem], small: bool) -> RunnerOutput:
-        """One forward: through the decode/verify forward when `small`, else the eager model."""
+        """One forward: through the decode/verify forward when `small`, else the eager model.
+        In the decode/verify forward the prefill chunks' tokens go first, its linears told how
+        many rows they are (kernels.cpu_ops.linear's many_rows): a row's numbers depend on
+        whether it is a prefill row, never on what else shares the forward."""
         ids: list[int] = []
         positions: list[int] = []
         page_tables, ctx_lens, num_new = [], [], []
         logit_rows: list[int] = []
-        rows: list[tuple[int, int]] = []
-        for item in items:
+        rows: list[tuple[int, int]] = [(0, 0)] * len(items)
+        order = list(range(len(items)))
+        if small:
+            order.sort(key=lambda i: items[i].start >= len(items[i].seq.prompt_ids))
+        prefill_tokens = sum(item.num_tokens for item in items
+                             if small and item.start < len(item.seq.prompt_ids))
+        for i in order:
+            item = items[i]
             seq, n, start = item.seq, item.num_tokens, item.start
             count = n if item.verifies else int(item.samples)
-            rows.append((len(logit_rows), count))
+            rows[i] = (len(logit_rows), count)
             logit_rows.extend(range(len(ids) + n - count, len(ids) + n))
             ids.extend(item.token_ids())
             positions.extend(range(start, start + n))
@@ -114,8 +125,8 @@ class ModelRunner:
         wanted = flat[2 * len(ids):]
         if small:  # with a drafter, the forward stores its context K/V too
             assert self.decode is not None
-            out = self.decode(self.decode.args(input_ids, pos, attn, wanted), attn.k_caches,
-                              attn.v_caches, self.drafter.caches(self.pool.k),
+            out = self.decode(self.decode.args(input_ids, pos, attn, wanted, prefill_tokens),
+                              attn.k_caches, attn.v_caches, self.drafter.caches(self.pool.k),
                               self.drafter.caches(self.pool.v))
             if len(logit_rows) < out.shape[0]:  # a forward that gives every row (graphs)
                 out = out[wanted]

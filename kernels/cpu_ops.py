@@ -1,9 +1,11 @@
 """agentflash's CPU kernels for decode rows and verify blocks (kernels/cpu/, ops in the
 `torch.ops.agentflash` namespace), for bfloat16 weights and activations:
 
-- `linear(x, weight, bias, residual)`: y = x W^T + b (+ residual) in bfloat16 for few rows
-  (common/linear_op.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in its plain
-  layout.
+- `linear(x, weight, bias, residual, many_rows)`: y = x W^T + b (+ residual) in bfloat16 for
+  few rows (common/linear_op.cpp). At one row it costs a fraction of oneDNN's call, and it reads
+  W in its plain layout. In the avx512 and avx512-bf16 builds its first `many_rows` rows take a
+  float32 matrix product instead (a forward's prefill rows, where that is the faster:
+  `many_rows_kernel`).
 - `linear_int8(x, qweight, scale, bias)`: the same for int8 weights with a float32 scale per
   output row (half the bytes of bfloat16): int8 turned into bfloat16 in registers (AVX512-BF16)
   or into float32 (AVX2).
@@ -146,15 +148,20 @@ def env_switch(name: str) -> bool:
     return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
 
 
-def _cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo("flags").split())
 
 
 def isas_here() -> list[str]:
@@ -264,10 +271,26 @@ def fast_many_rows(compiled: bool = False) -> bool:
     EPYC), where the program makes up the rest: its fused elementwise code, the GIL released
     for the whole forward, a step's decode rows in the same forward (docs/performance.md).
     AVX512's kernels (without bf16) are not measured at many rows: there prefill chunks run on
-    oneDNN."""
+    oneDNN. Where `many_rows_kernel()`, a forward's prefill rows take its float32 matrix
+    product, not the dot products."""
     chosen = isa()
     names = COMPILED_MANY_ROWS_ISAS if compiled else MANY_ROWS_ISAS
     return available() and chosen is not None and chosen.name in names
+
+
+def many_rows_kernel() -> bool:
+    """Whether a forward's prefill rows should take `linear`'s float32 matrix product
+    (`many_rows`; avx512/linear_many_rows.cpp) here: on Intel CPUs with AVX512-BF16 and no AMX,
+    where float32 FMAs outrun `vdpbf16ps` (a 2-core Xeon: 198-286 against 121-144 GFLOP/s at 512
+    rows of agentflash-11m's shapes, oneDNN's float32 211-291), and with AVX512 without bf16.
+    Not on AMD's (a 2-core EPYC's `vdpbf16ps` kernel: ~370 GFLOP/s at 512 rows, about twice its
+    float32 FMAs), nor with AMX (its tiles) or AVX2 (no such kernel): there prefill rows are rows
+    like any other (docs/performance.md)."""
+    chosen = isa()
+    if not available() or chosen is None:
+        return False
+    return chosen.name == "avx512" or (chosen.name == "avx512-bf16"
+                                       and _cpuinfo("vendor_id") == "GenuineIntel")
 
 
 def tile_linears() -> bool:
@@ -305,7 +328,7 @@ def aoti_shims() -> dict[torch._ops.OpOverload, list[str]]:
     return {
         ops.linear_bf16.default: [
             f"AOTITorchError aoti_torch_cpu_linear_bf16({h} x, {h} weight, {opt} bias, "
-            f"{opt} residual, {opt} ret0)"],
+            f"{opt} many_rows, {opt} residual, {opt} ret0)"],
         ops.linear_int8.default: [
             f"AOTITorchError aoti_torch_cpu_linear_int8({h} x, {h} qweight, {h} scale, "
             f"{opt} bias, {opt} residual, {opt} ret0)"],
@@ -325,13 +348,18 @@ def attends(head_dim: int) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None,
+           many_rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N], added before the one
-    rounding to bfloat16), bfloat16."""
+    rounding to bfloat16), bfloat16. many_rows (an int64 tensor of one element, P): x's first P
+    rows are prefill chunks' and, in the avx512 and avx512-bf16 builds, go through the float32
+    matrix product built for hundreds of rows; each row's numbers then depend on which of the
+    two it takes, never on the rest of the call."""
     if x.dim() == 2:
-        return torch.ops.agentflash.linear_bf16(x, weight, bias, residual)
+        return torch.ops.agentflash.linear_bf16(x, weight, bias, many_rows, residual)
     flat = None if residual is None else residual.reshape(-1, weight.shape[0])
-    out = torch.ops.agentflash.linear_bf16(x.reshape(-1, x.shape[-1]), weight, bias, flat)
+    out = torch.ops.agentflash.linear_bf16(x.reshape(-1, x.shape[-1]), weight, bias, many_rows,
+                                           flat)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -383,6 +411,7 @@ def masked_top1(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 def _register_fakes() -> None:
     @torch.library.register_fake("agentflash::linear_bf16")
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                many_rows: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 

@@ -67,6 +67,30 @@ def test_linear_matches_float32_and_rows_are_independent(fmt, n, k):
         assert torch.equal(op(x[None, :8], b)[0], y[:8])
 
 
+@pytest.mark.parametrize("n,k", [(640, 384), (2048, 384), (384, 1024), (203, 200), (5, 37)])
+def test_prefill_rows_are_independent_of_the_call_and_the_rest_are_decode_rows(n, k):
+    """`many_rows`: a call's first P rows are prefill rows (the float32 matrix product where
+    `many_rows_kernel()`), each the same whatever else the call holds; the rows after them are
+    the kernel's decode rows, bit for bit."""
+    w, b = _bf16(n, k, seed=0), _bf16(n, seed=1)
+    x, r = _bf16(70, k, seed=2), _bf16(70, n, seed=4)
+
+    def many(rows):
+        return torch.tensor([rows])
+    y = cpu_ops.linear(x, w, b, r, many_rows=many(50))
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float()) + r.float()
+    assert (y.float() - want).abs().max() <= want.abs().max() * 2 ** -7
+    assert torch.equal(y[50:], cpu_ops.linear(x[50:], w, b, r[50:]))
+    for rows in (slice(0, 1), slice(3, 11), slice(10, 50), slice(7, 29)):
+        alone = cpu_ops.linear(x[rows], w, b, r[rows], many_rows=many(rows.stop - rows.start))
+        assert torch.equal(alone, y[rows])
+    assert torch.equal(cpu_ops.linear(x[:50], w, b, r[:50], many_rows=many(50)), y[:50])
+    assert torch.equal(cpu_ops.linear(x, w, b, r, many_rows=many(0)), cpu_ops.linear(x, w, b, r))
+    for bad in (many(71), many(-1), torch.tensor([1, 2])):
+        with pytest.raises(RuntimeError, match="many_rows"):
+            cpu_ops.linear(x, w, many_rows=bad)
+
+
 @pytest.mark.parametrize("n,k", [(384, 384), (1024, 3072), (203, 200), (5, 37)])
 def test_dynamic_int8_linear_is_its_integer_arithmetic_exactly(n, k):
     """linear_int8_dynamic's numbers, bit for bit, in torch: each row of x quantized to Q

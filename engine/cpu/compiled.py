@@ -190,7 +190,7 @@ class CompiledForward(DecodeForward):
                  draft_v_caches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         return self.program.run_flat([
             args.ids, args.positions, args.rows, args.slot_mapping, *args.attention, *k_caches,
-            *v_caches, *draft_k_caches, *draft_v_caches])[0]
+            *v_caches, *draft_k_caches, *draft_v_caches, args.many_rows])[0]
 
 
 class CompiledDraft(DraftForward):
@@ -331,7 +331,7 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
     a = step_args(torch.zeros(sum(num_new), dtype=torch.long), positions, attn,
                   torch.tensor([0, 1, 2, 3, 4, 6]))
     example = (a.ids, a.positions, a.rows, a.slot_mapping, a.attention, k_caches, v_caches,
-               draft_k, draft_v)
+               draft_k, draft_v, a.many_rows)
     Dim = torch.export.Dim
     tokens, seqs = Dim("tokens", min=1, max=1 << 16), Dim("seqs", min=1, max=1 << 12)
     slots = Dim("slots", min=page_size)
@@ -346,7 +346,7 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
     rows = Dim("rows", min=1, max=1 << 16)
     shapes = ({0: tokens}, {0: tokens}, {0: rows}, {0: tokens}, attention,
               [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches),
-              [{0: slots}] * len(draft_k), [{0: slots}] * len(draft_v))
+              [{0: slots}] * len(draft_k), [{0: slots}] * len(draft_v), None)
     return TargetStep(model, drafter, kernels, page_size), example, shapes
 
 

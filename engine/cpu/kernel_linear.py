@@ -19,8 +19,9 @@ model in place.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,25 @@ from torch import nn
 from agentflash.kernels import cpu_ops
 
 
+_MANY_ROWS: list[torch.Tensor] = []
+
+
+@contextlib.contextmanager
+def many_rows(rows: torch.Tensor) -> Iterator[None]:
+    """Within it, every `KernelLinear` call gives the kernel `rows` (an int64 tensor of one
+    element, P: its x's first P rows are prefill rows; kernels.cpu_ops.linear). For a forward
+    whose linears all take the forward's tokens as rows (engine.cpu.forward.TargetStep's layers,
+    not its head); a traced forward records the tensor as each call's argument."""
+    _MANY_ROWS.append(rows)
+    try:
+        yield
+    finally:
+        _MANY_ROWS.pop()
+
+
 class KernelLinear(nn.Module):
-    """y = x W^T + b through the CPU kernel (bfloat16, CPU)."""
+    """y = x W^T + b through the CPU kernel (bfloat16, CPU); inside `many_rows`, the prefill rows
+    through its float32 matrix product."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -39,7 +57,8 @@ class KernelLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.linear(x, self.weight, self.bias)
+        return cpu_ops.linear(x, self.weight, self.bias,
+                              many_rows=_MANY_ROWS[-1] if _MANY_ROWS else None)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel"

@@ -30,13 +30,35 @@ namespace {
 // Threads take W's rows in multiples of this (a multiple of every implementation's tile width).
 constexpr int64_t kColumns = 24;
 
+#if defined(CPU_CAPABILITY_AVX512) && !defined(__AMX_BF16__)
+constexpr bool kManyRows = true;  // linear_many_rows is in this set's library (amx: its tiles)
+#else
+constexpr bool kManyRows = false;
+#endif
+
+// Panels of linear_many_rows: threads take W's rows in multiples of this.
+constexpr int64_t kPanelColumns = 48;
+
+// How many of the call's first rows take linear_many_rows: many_rows[0] (an int64 tensor of one
+// element, from the caller: the rows of its prefill chunks, laid out first), checked to be at
+// most M; 0 where the set has none (cpu_ops.many_rows_kernel).
+int64_t many_rows_of(const char* op, const std::optional<at::Tensor>& many_rows, int64_t M) {
+  if (!many_rows.has_value() || !many_rows->defined()) return 0;
+  TORCH_CHECK(many_rows->numel() == 1 && many_rows->scalar_type() == at::kLong, op,
+              ": many_rows is an int64 tensor of one element");
+  const int64_t rows = many_rows->item<int64_t>();
+  TORCH_CHECK(rows >= 0 && rows <= M, op, ": many_rows ", rows, " is not in [0, M = ", M, "]");
+  return kManyRows ? rows : 0;
+}
+
 // y = x W^T with the rest of `a` filled in from the tensors (bias, residual, y): by `whole`
-// where it takes the call, else by `columns`, threads splitting W's N rows.
+// where it takes the call, else its first `many` rows by linear_many_rows and the rest by
+// `columns`, threads splitting W's N rows.
 at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
                agentflash_cpu::LinearArgs a,
                void (*columns)(const agentflash_cpu::LinearArgs&, int64_t, int64_t),
-               bool (*whole)(const agentflash_cpu::LinearArgs&) = nullptr) {
+               bool (*whole)(const agentflash_cpu::LinearArgs&) = nullptr, int64_t many = 0) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
@@ -62,6 +84,23 @@ at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
   a.K = K;
   a.N = N;
   if (whole != nullptr && whole(a)) return y;
+#if defined(CPU_CAPABILITY_AVX512) && !defined(__AMX_BF16__)
+  if (many > 0) {
+    const at::Tensor xs = x.narrow(0, 0, many).to(at::kFloat).contiguous();  // exact
+    agentflash_cpu::LinearArgs head = a;
+    head.M = many;
+    const int64_t panels = (N + kPanelColumns - 1) / kPanelColumns;
+    agentflash_cpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      agentflash_cpu::linear_many_rows(head, xs.data_ptr<float>(), K, p0 * kPanelColumns,
+                                       std::min(N, p1 * kPanelColumns));
+    });
+    if (many == M) return y;
+    a.x += many * a.ldx;
+    a.y += many * a.ldy;
+    if (a.residual != nullptr) a.residual += many * a.ldy;
+    a.M = M - many;
+  }
+#endif
   const int64_t blocks = (N + kColumns - 1) / kColumns;
   // at least ~16 KB of weights per task: smaller ones cost more to hand out than to compute
   const int64_t grain = std::max<int64_t>(1, 16384 / (2 * kColumns * std::max<int64_t>(K, 1)));
@@ -104,6 +143,7 @@ namespace agentflash_cpu {
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& many_rows,
                        const std::optional<at::Tensor>& residual) {
   const at::Tensor xc = checked_x("linear_bf16", x, weight);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 x and weight");
@@ -114,7 +154,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
 #ifdef __AMX_BF16__
   return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns, linear_amx);
 #else
-  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns);
+  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns, nullptr,
+             many_rows_of("linear_bf16", many_rows, xc.size(0)));
 #endif
 }
 
@@ -134,7 +175,8 @@ at::Tensor linear_int8_dynamic(const at::Tensor& x, const at::Tensor& qweight,
 }  // namespace agentflash_cpu
 
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
-  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? many_rows=None, "
+        "Tensor? residual=None) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None, "
         "Tensor? residual=None) -> Tensor");
   m.def("linear_int8_dynamic(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None, "
