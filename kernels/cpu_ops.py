@@ -280,12 +280,12 @@ def fast_many_rows(compiled: bool = False) -> bool:
 
 def many_rows_kernel() -> bool:
     """Whether a forward's prefill rows should take `linear`'s float32 matrix product
-    (`many_rows`; avx512/linear_many_rows.cpp) here: on Intel CPUs with AVX512-BF16 and no AMX,
-    where float32 FMAs outrun `vdpbf16ps` (a 2-core Xeon: 198-286 against 121-144 GFLOP/s at 512
-    rows of agentflash-11m's shapes, oneDNN's float32 211-291), and with AVX512 without bf16.
-    Not on AMD's (a 2-core EPYC's `vdpbf16ps` kernel: ~370 GFLOP/s at 512 rows, about twice its
-    float32 FMAs), nor with AMX (its tiles) or AVX2 (no such kernel): there prefill rows are rows
-    like any other (docs/performance.md)."""
+    (`many_rows`; avx512/linear_float32_rows.cpp) here: on Intel CPUs with AVX512-BF16 and no AMX,
+    where it outruns the `vdpbf16ps` tiles (a 2-core Xeon: 198-286 against 121-144 GFLOP/s at
+    512 rows of agentflash-11m's shapes, oneDNN's float32 211-291, its bfloat16 about half
+    that), and with AVX512 without bf16. Not on AMD's (a 2-core EPYC's `vdpbf16ps` tiles: ~370
+    GFLOP/s at 512 rows, above oneDNN's float32 there), nor with AMX (its tiles) or AVX2 (no
+    such kernel): there prefill rows are rows like any other (docs/performance.md)."""
     chosen = isa()
     if not available() or chosen is None:
         return False

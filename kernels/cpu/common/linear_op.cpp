@@ -31,28 +31,29 @@ namespace {
 constexpr int64_t kColumns = 24;
 
 #if defined(CPU_CAPABILITY_AVX512) && !defined(__AMX_BF16__)
-constexpr bool kManyRows = true;  // linear_many_rows is in this set's library (amx: its tiles)
+constexpr bool kManyRows = true;  // linear_float32_rows is in this set's library (amx: its tiles)
 #else
 constexpr bool kManyRows = false;
 #endif
 
-// Panels of linear_many_rows: threads take W's rows in multiples of this.
+// Panels of linear_float32_rows: threads take W's rows in multiples of this.
 constexpr int64_t kPanelColumns = 48;
 
-// How many of the call's first rows take linear_many_rows: many_rows[0] (an int64 tensor of one
+// How many of the call's first rows take linear_float32_rows: many_rows[0] (an int64 tensor of one
 // element, from the caller: the rows of its prefill chunks, laid out first), checked to be at
 // most M; 0 where the set has none (cpu_ops.many_rows_kernel).
 int64_t many_rows_of(const char* op, const std::optional<at::Tensor>& many_rows, int64_t M) {
   if (!many_rows.has_value() || !many_rows->defined()) return 0;
-  TORCH_CHECK(many_rows->numel() == 1 && many_rows->scalar_type() == at::kLong, op,
-              ": many_rows is an int64 tensor of one element");
-  const int64_t rows = many_rows->item<int64_t>();
+  TORCH_CHECK(many_rows->numel() == 1 && many_rows->scalar_type() == at::kLong &&
+                  many_rows->device().is_cpu(),
+              op, ": many_rows is an int64 CPU tensor of one element");
+  const int64_t rows = *many_rows->const_data_ptr<int64_t>();  // (item() dispatches: ~40 us)
   TORCH_CHECK(rows >= 0 && rows <= M, op, ": many_rows ", rows, " is not in [0, M = ", M, "]");
   return kManyRows ? rows : 0;
 }
 
 // y = x W^T with the rest of `a` filled in from the tensors (bias, residual, y): by `whole`
-// where it takes the call, else its first `many` rows by linear_many_rows and the rest by
+// where it takes the call, else its first `many` rows by linear_float32_rows and the rest by
 // `columns`, threads splitting W's N rows.
 at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
@@ -91,7 +92,7 @@ at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
     head.M = many;
     const int64_t panels = (N + kPanelColumns - 1) / kPanelColumns;
     agentflash_cpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      agentflash_cpu::linear_many_rows(head, xs.data_ptr<float>(), K, p0 * kPanelColumns,
+      agentflash_cpu::linear_float32_rows(head, xs.data_ptr<float>(), K, p0 * kPanelColumns,
                                        std::min(N, p1 * kPanelColumns));
     });
     if (many == M) return y;

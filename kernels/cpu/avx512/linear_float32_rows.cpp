@@ -1,4 +1,4 @@
-// The AVX512F implementation of kernels.h's `linear_many_rows`: a prefill chunk's hundreds of
+// The AVX512F implementation of kernels.h's `linear_float32_rows`: a prefill chunk's hundreds of
 // rows as a float32 matrix product, for every set with AVX512 (avx512, avx512-bf16; amx takes
 // bfloat16 weights on its tiles first).
 //
@@ -116,7 +116,7 @@ void tile_rows(int64_t rows, const LinearArgs& a, const float* xs, int64_t ldxs,
 
 namespace agentflash_cpu {
 
-void linear_many_rows(const LinearArgs& a, const float* xs, int64_t ldxs, int64_t n0,
+void linear_float32_rows(const LinearArgs& a, const float* xs, int64_t ldxs, int64_t n0,
                       int64_t n1) {
   thread_local std::vector<float> buffer;
   buffer.resize(a.K * kPanel * kLanes + 16);
