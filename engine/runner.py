@@ -99,11 +99,11 @@ class ModelRunner:
         page_tables, ctx_lens, num_new = [], [], []
         logit_rows: list[int] = []
         rows: list[tuple[int, int]] = [(0, 0)] * len(items)
-        order = list(range(len(items)))
+        prefills = [item.start < len(item.seq.prompt_ids) for item in items]
+        order, prefill_tokens = list(range(len(items))), 0
         if small:
-            order.sort(key=lambda i: items[i].start >= len(items[i].seq.prompt_ids))
-        prefill_tokens = sum(item.num_tokens for item in items
-                             if small and item.start < len(item.seq.prompt_ids))
+            order.sort(key=lambda i: not prefills[i])
+            prefill_tokens = sum(item.num_tokens for item, p in zip(items, prefills) if p)
         for i in order:
             item = items[i]
             seq, n, start = item.seq, item.num_tokens, item.start

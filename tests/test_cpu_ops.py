@@ -69,9 +69,9 @@ def test_linear_matches_float32_and_rows_are_independent(fmt, n, k):
 
 @pytest.mark.parametrize("n,k", [(640, 384), (2048, 384), (384, 1024), (203, 200), (5, 37)])
 def test_prefill_rows_are_independent_of_the_call_and_the_rest_are_decode_rows(n, k):
-    """`many_rows`: a call's first P rows are prefill rows (the float32 matrix product where
-    `many_rows_kernel()`), each the same whatever else the call holds; the rows after them are
-    the kernel's decode rows, bit for bit."""
+    """`many_rows`: a call's first P rows are prefill rows (a float32 matrix product in the
+    avx512 and avx512-bf16 builds), each the same whatever else the call holds; the rows after
+    them are the kernel's decode rows, bit for bit."""
     w, b = _bf16(n, k, seed=0), _bf16(n, seed=1)
     x, r = _bf16(70, k, seed=2), _bf16(70, n, seed=4)
 

@@ -11,9 +11,9 @@
 // How it is fast where `linear_columns` is not: no sum across lanes. Each thread widens its
 // W rows 48 at a time into a panel [K][48] (16 x 16 transposes), then runs tiles of up to 8 x
 // rows by the panel's 48 columns: per k, three panel loads and eight broadcasts of x feed 24
-// FMAs into 24 accumulators. On a 2-core Xeon with AVX512-BF16 (no AMX) float32 FMAs do about
-// twice the work of `vdpbf16ps` a second at 512 rows of agentflash-11m's shapes
-// (docs/performance.md).
+// FMAs into 24 accumulators. On a 2-core Intel Xeon with AVX512-BF16 (no AMX) it reaches about
+// twice the rate of the `vdpbf16ps` tiles at 512 rows of agentflash-11m's shapes, oneDNN's
+// float32 rate (docs/performance.md).
 
 #include <immintrin.h>
 
@@ -90,7 +90,8 @@ void tile(const LinearArgs& a, const float* xs, int64_t ldxs, int64_t m0, const 
       if (a.bias != nullptr) v = _mm512_add_ps(v, bias);
       if (a.residual != nullptr) {
         const __m256i r = _mm256_maskz_loadu_epi16(mask, a.residual + m * a.ldy + n);
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+        const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16);
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(widened));
       }
       _mm256_mask_storeu_epi16(a.y + m * a.ldy + n, mask, agentflash_cpu::round_bf16(v));
     }
@@ -117,7 +118,7 @@ void tile_rows(int64_t rows, const LinearArgs& a, const float* xs, int64_t ldxs,
 namespace agentflash_cpu {
 
 void linear_float32_rows(const LinearArgs& a, const float* xs, int64_t ldxs, int64_t n0,
-                      int64_t n1) {
+                         int64_t n1) {
   thread_local std::vector<float> buffer;
   buffer.resize(a.K * kPanel * kLanes + 16);
   float* panel = reinterpret_cast<float*>(

@@ -31,7 +31,8 @@ namespace {
 constexpr int64_t kColumns = 24;
 
 #if defined(CPU_CAPABILITY_AVX512) && !defined(__AMX_BF16__)
-constexpr bool kManyRows = true;  // linear_float32_rows is in this set's library (amx: its tiles)
+#define FLOAT32_ROWS  // linear_float32_rows is in this set's library (amx: its tiles take them)
+constexpr bool kManyRows = true;
 #else
 constexpr bool kManyRows = false;
 #endif
@@ -85,7 +86,7 @@ at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
   a.K = K;
   a.N = N;
   if (whole != nullptr && whole(a)) return y;
-#if defined(CPU_CAPABILITY_AVX512) && !defined(__AMX_BF16__)
+#ifdef FLOAT32_ROWS
   if (many > 0) {
     const at::Tensor xs = x.narrow(0, 0, many).to(at::kFloat).contiguous();  // exact
     agentflash_cpu::LinearArgs head = a;
@@ -93,7 +94,7 @@ at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
     const int64_t panels = (N + kPanelColumns - 1) / kPanelColumns;
     agentflash_cpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       agentflash_cpu::linear_float32_rows(head, xs.data_ptr<float>(), K, p0 * kPanelColumns,
-                                       std::min(N, p1 * kPanelColumns));
+                                          std::min(N, p1 * kPanelColumns));
     });
     if (many == M) return y;
     a.x += many * a.ldx;
