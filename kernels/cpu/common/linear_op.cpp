@@ -32,17 +32,14 @@ constexpr int64_t kColumns = 24;
 
 #if defined(CPU_CAPABILITY_AVX512) && !defined(__AMX_BF16__)
 #define FLOAT32_ROWS  // linear_float32_rows is in this set's library (amx: its tiles take them)
-constexpr bool kManyRows = true;
-#else
-constexpr bool kManyRows = false;
 #endif
 
 // Panels of linear_float32_rows: threads take W's rows in multiples of this.
 constexpr int64_t kPanelColumns = 48;
 
-// How many of the call's first rows take linear_float32_rows: many_rows[0] (an int64 tensor of one
+// How many of the call's first rows are prefill rows: many_rows[0] (an int64 tensor of one
 // element, from the caller: the rows of its prefill chunks, laid out first), checked to be at
-// most M; 0 where the set has none (cpu_ops.many_rows_kernel).
+// most M in every set; only the FLOAT32_ROWS sets compute them apart.
 int64_t many_rows_of(const char* op, const std::optional<at::Tensor>& many_rows, int64_t M) {
   if (!many_rows.has_value() || !many_rows->defined()) return 0;
   TORCH_CHECK(many_rows->numel() == 1 && many_rows->scalar_type() == at::kLong &&
@@ -50,7 +47,7 @@ int64_t many_rows_of(const char* op, const std::optional<at::Tensor>& many_rows,
               op, ": many_rows is an int64 CPU tensor of one element");
   const int64_t rows = *many_rows->const_data_ptr<int64_t>();  // (item() dispatches: ~40 us)
   TORCH_CHECK(rows >= 0 && rows <= M, op, ": many_rows ", rows, " is not in [0, M = ", M, "]");
-  return kManyRows ? rows : 0;
+  return rows;
 }
 
 // y = x W^T with the rest of `a` filled in from the tensors (bias, residual, y): by `whole`
@@ -150,14 +147,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   const at::Tensor xc = checked_x("linear_bf16", x, weight);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 x and weight");
   const at::Tensor wc = weight.stride(1) == 1 ? weight : weight.contiguous();
+  const int64_t many = many_rows_of("linear_bf16", many_rows, xc.size(0));
   agentflash_cpu::LinearArgs a{};
   a.w = reinterpret_cast<const uint16_t*>(wc.data_ptr());
   a.ldw = wc.stride(0);
 #ifdef __AMX_BF16__
-  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns, linear_amx);
+  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns, linear_amx, many);
 #else
-  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns, nullptr,
-             many_rows_of("linear_bf16", many_rows, xc.size(0)));
+  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns, nullptr, many);
 #endif
 }
 
