@@ -13,7 +13,7 @@ CPU kernels take prefill's row counts faster than oneDNN (AMX, AVX512-BF16; comp
 too: `DecodeForward.takes_prefill`), the chunks go through that forward too, with the step's other
 items: its linears and attention compute each row by itself, whatever else the call holds (the
 chunks' rows laid out first and counted, for the linears' float32 matrix product of prefill
-rows: kernels.cpu_ops.many_rows_kernel).
+rows: kernels.cpu_ops.prefer_float32).
 
 With a hybrid target (Qwen3.5), the pool holds only its full-attention layers' K/V; the
 linear-attention states travel through `LinearStates.forward` (engine.states), every item in

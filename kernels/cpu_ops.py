@@ -5,7 +5,7 @@
   few rows (common/linear_op.cpp). At one row it costs a fraction of oneDNN's call, and it reads
   W in its plain layout. In the avx512 and avx512-bf16 builds its first `many_rows` rows take a
   float32 matrix product instead (a forward's prefill rows, where that is the faster:
-  `many_rows_kernel`).
+  `prefer_float32`).
 - `linear_int8(x, qweight, scale, bias)`: the same for int8 weights with a float32 scale per
   output row (half the bytes of bfloat16): int8 turned into bfloat16 in registers (AVX512-BF16)
   or into float32 (AVX2).
@@ -16,7 +16,9 @@
   numbers only decide what it proposes.
 - `paged_attention(q, k_cache, v_cache, page_table, page_size, token_seq, token_keys, scale)`:
   each query over its sequence's keys in the paged pool, read in place through its page table
-  (common/attention_op.cpp): no gathered copy of the context, no batched-matmul calls.
+  (common/attention_op.cpp): no gathered copy of the context, no batched-matmul calls. In
+  float32 where that is the faster (`prefer_float32`), else by the set's bfloat16 dot
+  products.
 - `top1(logits, with_prob)`: each row's argmax and the softmax probability there, for a step's
   float32 logits (common/top1.cpp): a few microseconds where torch's reductions take tens;
   `masked_top1(logits, allowed)`: each row's argmax among the tokens a packed grammar mask
@@ -241,6 +243,7 @@ def load() -> str | None:
     except Exception as error:  # no compiler, no ninja, a failed build
         return f"{type(error).__name__}: {(str(error).strip() or '?').splitlines()[-1][:300]}"
     _register_fakes()
+    torch.ops.agentflash.set_float32_attention(_prefers_float32())
     global _loaded
     _loaded = True
     return None
@@ -271,26 +274,33 @@ def fast_many_rows(compiled: bool = False) -> bool:
     EPYC), where the program makes up the rest: its fused elementwise code, the GIL released
     for the whole forward, a step's decode rows in the same forward (docs/performance.md).
     AVX512's kernels (without bf16) are not measured at many rows: there prefill chunks run on
-    oneDNN. Where `many_rows_kernel()`, a forward's prefill rows take its float32 matrix
+    oneDNN. Where `prefer_float32()`, a forward's prefill rows take its float32 matrix
     product, not the dot products."""
     chosen = isa()
     names = COMPILED_MANY_ROWS_ISAS if compiled else MANY_ROWS_ISAS
     return available() and chosen is not None and chosen.name in names
 
 
-def many_rows_kernel() -> bool:
-    """Whether a forward's prefill rows should take `linear`'s float32 matrix product
-    (`many_rows`; avx512/linear_float32_rows.cpp) here: on Intel CPUs with AVX512-BF16 and no AMX,
-    where it outruns the `vdpbf16ps` tiles (a 2-core Xeon: 198-286 against 121-144 GFLOP/s at
-    512 rows of agentflash-11m's shapes, oneDNN's float32 211-291, its bfloat16 about half
-    that), and with AVX512 without bf16. Not on AMD's (a 2-core EPYC's `vdpbf16ps` tiles: ~370
-    GFLOP/s at 512 rows, above oneDNN's float32 there), nor with AMX (its tiles) or AVX2 (no
-    such kernel): there prefill rows are rows like any other (docs/performance.md)."""
+def _prefers_float32() -> bool:
+    """`prefer_float32()` before the library is loaded (what `load` tells it)."""
     chosen = isa()
-    if not available() or chosen is None:
-        return False
-    return chosen.name == "avx512" or (chosen.name == "avx512-bf16"
-                                       and _cpuinfo("vendor_id") == "GenuineIntel")
+    return chosen is not None and (chosen.name == "avx512" or (
+        chosen.name == "avx512-bf16" and _cpuinfo("vendor_id") == "GenuineIntel"))
+
+
+def prefer_float32() -> bool:
+    """Whether the kernels here take float32 products where they have them: a forward's
+    prefill rows through `linear`'s float32 matrix product (`many_rows`;
+    avx512/linear_float32_rows.cpp), and attention in float32 (avx512/attention_float32.cpp;
+    set once as the library loads). With AVX512 without bf16 (float32 is all it has), and on
+    Intel CPUs with AVX512-BF16 and no AMX, where float32 multiply-adds outrun `vdpbf16ps`: on a
+    2-core Xeon the float32 product reaches 198-286 against the `vdpbf16ps` tiles' 121-144
+    GFLOP/s at 512 rows of agentflash-11m's shapes (oneDNN's float32 211-291, its bfloat16 about
+    half that), and attention in float32 takes 0.57-0.63x the `vdpbf16ps` kernel's time from 1
+    to 200 queries after 300-1,500 keys (docs/performance.md). Not on AMD's (a 2-core EPYC's
+    `vdpbf16ps` tiles: ~370 GFLOP/s at 512 rows, above oneDNN's float32 there), nor with AMX
+    (its tiles) or AVX2 (no such linear; its attention widens to float32 anyway)."""
+    return available() and _prefers_float32()
 
 
 def tile_linears() -> bool:

@@ -159,6 +159,26 @@ def test_the_builds_a_cpu_that_has_a_better_one_can_run(isa, extras):
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
 
 
+def _attention_kernels() -> list[bool | None]:
+    """The attention kernels of this build: avx512-bf16's and amx's own (bfloat16 dot products)
+    and the float32 one, which `cpu_ops.prefer_float32` picks between; one elsewhere."""
+    chosen = cpu_ops.isa()
+    return [False, True] if chosen is not None and chosen.name in ("avx512-bf16", "amx") else [None]
+
+
+@pytest.fixture(params=_attention_kernels(),
+                ids=lambda on: {None: "the-set's", False: "bf16-dot", True: "float32"}[on])
+def attention_kernel(request):
+    """Each of the build's attention kernels in turn (the one this CPU takes restored after)."""
+    assert cpu_ops.available()
+    if request.param is not None:
+        torch.ops.agentflash.set_float32_attention(request.param)
+    try:
+        yield
+    finally:
+        torch.ops.agentflash.set_float32_attention(cpu_ops.prefer_float32())
+
+
 def _reference_attention(q, k_cache, v_cache, table, page, seq, keys, scale):
     out = torch.empty(q.shape)
     group = q.shape[1] // k_cache.shape[1]
@@ -172,6 +192,7 @@ def _reference_attention(q, k_cache, v_cache, table, page, seq, keys, scale):
     return out
 
 
+@pytest.mark.usefixtures("attention_kernel")
 @pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 64), (16, 8, 128), (4, 4, 32)])
 def test_attention_matches_float32_and_rows_are_independent(heads, kv_heads, dim):
     k_cache, v_cache = _bf16(4096, kv_heads, dim, seed=0), _bf16(4096, kv_heads, dim, seed=1)
@@ -191,6 +212,7 @@ def test_attention_matches_float32_and_rows_are_independent(heads, kv_heads, dim
         assert torch.equal(alone[0], out[t])
 
 
+@pytest.mark.usefixtures("attention_kernel")
 def test_attention_is_the_same_however_the_work_is_split():
     """Many sequences (a thread takes whole runs), one (its key segments spread over the
     threads), one thread or two: every query's output is bit for bit the same."""
@@ -217,6 +239,7 @@ def test_attention_is_the_same_however_the_work_is_split():
     assert (outs[0].float() - want).abs().max() < 0.02
 
 
+@pytest.mark.usefixtures("attention_kernel")
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_over_new_rows_is_the_same_as_over_them_in_the_pool(causal):
     """Drafter blocks: keys past each sequence's cached context come from the block's own rows
@@ -253,6 +276,7 @@ def test_attention_over_new_rows_is_the_same_as_over_them_in_the_pool(causal):
                                 v_new, ctx)
 
 
+@pytest.mark.usefixtures("attention_kernel")
 def test_attention_refuses_a_query_past_its_keys_or_pages():
     k_cache, q = _bf16(64, 2, 64, seed=0), _bf16(1, 2, 64, seed=1)
     with pytest.raises(RuntimeError, match="sees 65 keys"):
@@ -263,6 +287,7 @@ def test_attention_refuses_a_query_past_its_keys_or_pages():
                                 torch.tensor([0]), torch.tensor([20]), 0.125)
 
 
+@pytest.mark.usefixtures("attention_kernel")
 def test_kernel_attention_stores_kv_and_agrees_with_the_torch_path():
     """Two sequences on their own pages, decode row and verify block: the new K/V land in their
     slots, and the outputs agree with PagedAttention's to bfloat16 rounding."""

@@ -221,7 +221,7 @@ class DecodeForward:
         self.returns_logits = kernels  # the head inside (TargetStep)
         self.takes_prefill = kernels and cpu_ops.fast_many_rows(self.kind == "compiled")
         # its linears take prefill rows by their float32 matrix product (cpu_ops.linear)
-        self.many_rows = self.takes_prefill and cpu_ops.many_rows_kernel()
+        self.many_rows = self.takes_prefill and cpu_ops.prefer_float32()
         self.step = step
 
     @classmethod

@@ -12,13 +12,15 @@
 // whose own K/V are not in the pool), key j >= cached[b] of sequence b is instead row
 // b * R + j - cached[b] of k_new / v_new: the block's own rows. The queries may be any of a
 // block's rows (all R, or only those whose drafts are verified). This file checks the arguments,
-// finds the runs of consecutive queries of one sequence; attention_<isa>.cpp splits them over
-// threads and computes them (kernels.h: every output row depends on its query and keys alone).
+// finds the runs of consecutive queries of one sequence; the set's attention (kernels.h:
+// attend_all, attend_all_float32 or attend_all_amx) splits them over threads and computes them
+// (every output row depends on its query and keys alone).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -27,6 +29,26 @@
 #include "ops.h"
 
 namespace agentflash_cpu {
+
+namespace {
+
+// Whether the avx512-bf16 and amx sets compute attention in float32 (attend_all_float32) rather
+// than by their bfloat16 dot products: set once when the library loads (cpu_ops.load), by what
+// this CPU is faster at; the other sets have one attention each.
+std::atomic<bool> g_float32_attention{false};
+
+void attend(const AttentionCall& call) {
+#if defined(__AVX512BF16__)
+  if (g_float32_attention.load(std::memory_order_relaxed)) return attend_all_float32(call);
+  attend_all(call);
+#elif defined(__AVX512F__)
+  attend_all_float32(call);
+#else
+  attend_all(call);
+#endif
+}
+
+}  // namespace
 
 at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& page_table,
@@ -114,9 +136,9 @@ at::Tensor paged_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache,
                            with_new ? bf16(kn_c) : nullptr, with_new ? bf16(vn_c) : nullptr,
                            pooled, new_rows, reinterpret_cast<uint16_t*>(out.data_ptr()), &runs};
 #ifdef __AMX_BF16__
-  if (attend_all_amx(call)) return out;
+  if (!g_float32_attention.load(std::memory_order_relaxed) && attend_all_amx(call)) return out;
 #endif
-  attend_all(call);
+  attend(call);
   return out;
 }
 
@@ -127,6 +149,8 @@ TORCH_LIBRARY_FRAGMENT(agentflash, m) {
       "paged_attention_bf16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
       "int page_size, Tensor token_seq, Tensor token_keys, float scale, Tensor? k_new=None, "
       "Tensor? v_new=None, Tensor? cached=None) -> Tensor");
+  m.def("set_float32_attention(bool on) -> ()",
+        [](bool on) { agentflash_cpu::g_float32_attention.store(on); });
 }
 
 TORCH_LIBRARY_IMPL(agentflash, CPU, m) {

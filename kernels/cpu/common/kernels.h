@@ -128,8 +128,12 @@ struct AttentionCall {
   }
 };
 
-// Every output of the call (this instruction set's kernels and split of the work over threads).
+// Every output of the call (this instruction set's kernels and split of the work over threads;
+// the avx2 and avx512-bf16 sets' own, which amx shares).
 void attend_all(const AttentionCall& call);
+// The same in float32 (avx512/attention_float32.cpp: the avx512 set's attention, also in the
+// avx512-bf16 and amx sets' libraries, taken where cpu_ops.prefer_float32 sets it).
+void attend_all_float32(const AttentionCall& call);
 // The same by AMX tiles (amx/attention_amx.cpp; only in the amx set's library). False, with
 // nothing computed, where the OS does not grant the tile state (a property of the process).
 bool attend_all_amx(const AttentionCall& call);

@@ -1,7 +1,8 @@
-// The AVX512F implementation of common/attention_op.cpp's `attend_all` (kernels.h), for CPUs with AVX512
-// but without native bfloat16 arithmetic (Intel Skylake-SP to Ice Lake): keys, values and
-// queries widened to float32, 16 lanes a register. One task per (run of queries, KV head),
-// split over threads.
+// `attend_all_float32` (kernels.h): common/attention_op.cpp's attention with keys, values and
+// queries widened to float32, 16 lanes a register. The avx512 set's only attention (CPUs
+// without native bfloat16 arithmetic: Intel Skylake-SP to Ice Lake), and the one the
+// avx512-bf16 set takes where float32 multiply-adds outrun its `vdpbf16ps` (cpu_ops.
+// prefer_float32). One task per (run of queries, KV head), split over threads.
 //
 // Keys go in blocks of 16 at fixed positions (0-15, 16-31, ...). Each block's keys are
 // transposed once per task into D float32 vectors (vector d, lane j: key j's element d), so a
@@ -225,7 +226,7 @@ void attend(const KvSource& src, const QueryRun& run) {
 
 namespace agentflash_cpu {
 
-void attend_all(const AttentionCall& call) {
+void attend_all_float32(const AttentionCall& call) {
   attend_per_kv_head(call, [](auto dim, const KvSource& src, const QueryRun& run) {
     attend<decltype(dim)::value>(src, run);
   });
