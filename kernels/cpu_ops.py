@@ -296,7 +296,7 @@ def prefer_float32() -> bool:
     Intel CPUs with AVX512-BF16 and no AMX, where float32 multiply-adds outrun `vdpbf16ps`: on a
     2-core Xeon the float32 product reaches 198-286 against the `vdpbf16ps` tiles' 121-144
     GFLOP/s at 512 rows of agentflash-11m's shapes (oneDNN's float32 211-291, its bfloat16 about
-    half that), and attention in float32 takes 0.57-0.63x the `vdpbf16ps` kernel's time from 1
+    half that), and attention in float32 takes 0.65-0.85x the `vdpbf16ps` kernel's time from 1
     to 200 queries after 300-1,500 keys (docs/performance.md). Not on AMD's (a 2-core EPYC's
     `vdpbf16ps` tiles: ~370 GFLOP/s at 512 rows, above oneDNN's float32 there), nor with AMX
     (its tiles) or AVX2 (no such linear; its attention widens to float32 anyway)."""
