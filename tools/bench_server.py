@@ -202,8 +202,10 @@ def main() -> None:
                     help="run the pair this many times in turn (the median ratio is reported)")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be 1 or more")
     args.cache.mkdir(parents=True, exist_ok=True)
-    runs = [one_run(args) for _ in range(max(args.repeat, 1))]
+    runs = [one_run(args) for _ in range(args.repeat)]
     print(f"\n{args.workload}: {args.sessions} sessions x {args.turns} turns, max_tokens "
           f"{args.max_tokens}\n")
     print("| run | server | completion tok/s | TTFT mean ms | p50 ms | p99 ms | turn 1 / later ms "
