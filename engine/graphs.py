@@ -236,9 +236,8 @@ class GraphDecodeForward(DecodeForward):
         return GraphBatch(k_caches, v_caches, page_tables, ctx_lens, num_new)
 
     def args(self, ids: torch.Tensor, positions: torch.Tensor, attn: GraphBatch,
-             rows: torch.Tensor | None = None, prefill_tokens: int = 0) -> GraphBatch:
-        """(Every row's logits are computed: the runner takes the `rows` it wants. Graphs
-        take no prefill chunk: prefill_tokens is 0.)"""
+             rows: torch.Tensor | None = None) -> GraphBatch:
+        """(Every row's logits are computed: the runner takes the `rows` it wants.)"""
         attn.ids = ids
         return attn
 

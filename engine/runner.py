@@ -90,22 +90,13 @@ class ModelRunner:
         return RunnerOutput(torch.cat([p.logits for p in parts]), rows)
 
     def _forward(self, items: list[BatchItem], small: bool) -> RunnerOutput:
-        """One forward: through the decode/verify forward when `small`, else the eager model.
-        In the decode/verify forward the prefill chunks' tokens go first, its linears told how
-        many rows they are (kernels.cpu_ops.linear's many_rows): a row's numbers depend on
-        whether it is a prefill row, never on what else shares the forward."""
+        """One forward: through the decode/verify forward when `small`, else the eager model."""
         ids: list[int] = []
         positions: list[int] = []
         page_tables, ctx_lens, num_new = [], [], []
         logit_rows: list[int] = []
         rows: list[tuple[int, int]] = [(0, 0)] * len(items)
-        prefills = [item.start < len(item.seq.prompt_ids) for item in items]
-        order, prefill_tokens = list(range(len(items))), 0
-        if small:
-            order.sort(key=lambda i: not prefills[i])
-            prefill_tokens = sum(item.num_tokens for item, p in zip(items, prefills) if p)
-        for i in order:
-            item = items[i]
+        for i, item in enumerate(items):
             seq, n, start = item.seq, item.num_tokens, item.start
             count = n if item.verifies else int(item.samples)
             rows[i] = (len(logit_rows), count)
@@ -125,7 +116,7 @@ class ModelRunner:
         wanted = flat[2 * len(ids):]
         if small:  # with a drafter, the forward stores its context K/V too
             assert self.decode is not None
-            out = self.decode(self.decode.args(input_ids, pos, attn, wanted, prefill_tokens),
+            out = self.decode(self.decode.args(input_ids, pos, attn, wanted),
                               attn.k_caches, attn.v_caches, self.drafter.caches(self.pool.k),
                               self.drafter.caches(self.pool.v))
             if len(logit_rows) < out.shape[0]:  # a forward that gives every row (graphs)

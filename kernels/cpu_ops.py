@@ -1,11 +1,13 @@
 """agentflash's CPU kernels for decode rows and verify blocks (kernels/cpu/, ops in the
 `torch.ops.agentflash` namespace), for bfloat16 weights and activations:
 
-- `linear(x, weight, bias, residual, many_rows)`: y = x W^T + b (+ residual) in bfloat16 for
-  few rows (common/linear_op.cpp). At one row it costs a fraction of oneDNN's call, and it reads
-  W in its plain layout. In the avx512 and avx512-bf16 builds its first `many_rows` rows take a
-  float32 matrix product instead (a forward's prefill rows, where that is the faster:
-  `prefer_float32`).
+- `linear(x, weight, bias, residual)`: y = x W^T + b (+ residual) in bfloat16 for few rows
+  (common/linear_op.cpp). At one row it costs a fraction of oneDNN's call, and it reads W in
+  its plain layout.
+- `linear_panels(x, panels, n, bias, residual)`: the same on W packed ahead by
+  `pack_panels(weight)` (bfloat16, the same bytes), any number of rows as a float32 matrix
+  product (avx512/linear_panels.cpp): where `prefer_float32()`, what every linear of a model on
+  the kernels takes, decode rows and prefill chunks alike.
 - `linear_int8(x, qweight, scale, bias)`: the same for int8 weights with a float32 scale per
   output row (half the bytes of bfloat16): int8 turned into bfloat16 in registers (AVX512-BF16)
   or into float32 (AVX2).
@@ -274,7 +276,7 @@ def fast_many_rows(compiled: bool = False) -> bool:
     EPYC), where the program makes up the rest: its fused elementwise code, the GIL released
     for the whole forward, a step's decode rows in the same forward (docs/performance.md).
     AVX512's kernels (without bf16) are not measured at many rows: there prefill chunks run on
-    oneDNN. Where `prefer_float32()`, a forward's prefill rows take its float32 matrix
+    oneDNN. Where `prefer_float32()`, a forward's linears take `linear_panels`' float32
     product, not the dot products."""
     chosen = isa()
     names = COMPILED_MANY_ROWS_ISAS if compiled else MANY_ROWS_ISAS
@@ -289,18 +291,28 @@ def _prefers_float32() -> bool:
 
 
 def prefer_float32() -> bool:
-    """Whether the kernels here take float32 products where they have them: a forward's
-    prefill rows through `linear`'s float32 matrix product (`many_rows`;
-    avx512/linear_float32_rows.cpp), and attention in float32 (avx512/attention_float32.cpp;
-    set once as the library loads). With AVX512 without bf16 (float32 is all it has), and on
-    Intel CPUs with AVX512-BF16 and no AMX, where float32 multiply-adds outrun `vdpbf16ps`: on a
-    2-core Xeon the float32 product reaches 198-286 against the `vdpbf16ps` tiles' 121-144
-    GFLOP/s at 512 rows of agentflash-11m's shapes (oneDNN's float32 211-291, its bfloat16 about
-    half that), and attention in float32 takes 0.65-0.85x the `vdpbf16ps` kernel's time from 1
-    to 200 queries after 300-1,500 keys (docs/performance.md). Not on AMD's (a 2-core EPYC's
-    `vdpbf16ps` tiles: ~370 GFLOP/s at 512 rows, above oneDNN's float32 there), nor with AMX
-    (its tiles) or AVX2 (no such linear; its attention widens to float32 anyway)."""
+    """Whether the kernels here take float32 products: every bfloat16 linear of a model on the
+    kernels through `linear_panels` (decode rows, verify blocks and prefill chunks alike), and
+    attention in float32 (avx512/attention_float32.cpp; set once as the library loads). With
+    AVX512 without bf16 (float32 is all it has), and on Intel CPUs with AVX512-BF16 and no AMX,
+    where float32 multiply-adds outrun `vdpbf16ps` (half their rate on a 2-core Xeon): there
+    the panels take 0.6-0.9x the `vdpbf16ps` tiles' time for the 11m step's linears at 8-32
+    rows (about the same at 1-4), reach 225-266 GFLOP/s at 512 rows (the tiles 121-144), and
+    attention in float32 takes 0.65-0.85x the `vdpbf16ps` kernel's time from 1 to 200 queries
+    after 300-1,500 keys (docs/performance.md). Not on AMD's (a 2-core EPYC's `vdpbf16ps` tiles: ~370 GFLOP/s at 512
+    rows, above oneDNN's float32 there), nor with AMX (its tiles) or AVX2 (no panels; its
+    attention widens to float32 anyway)."""
     return available() and _prefers_float32()
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 weight [N, K] in `linear_panels`' layout: [ceil(N / 48), ceil(K / 2), 48, 2],
+    panel p's [k // 2, c, k % 2] = weight[48 p + c, k], zeros past N and K (the same bytes as
+    the weight, give or take the padding)."""
+    n, k = weight.shape
+    padded = torch.zeros((n + 47) // 48 * 48, (k + 1) // 2 * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    return padded.view(-1, 48, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def tile_linears() -> bool:
@@ -338,7 +350,10 @@ def aoti_shims() -> dict[torch._ops.OpOverload, list[str]]:
     return {
         ops.linear_bf16.default: [
             f"AOTITorchError aoti_torch_cpu_linear_bf16({h} x, {h} weight, {opt} bias, "
-            f"{opt} many_rows, {opt} residual, {opt} ret0)"],
+            f"{opt} residual, {opt} ret0)"],
+        ops.linear_panels.default: [
+            f"AOTITorchError aoti_torch_cpu_linear_panels({h} x, {h} panels, int64_t n, "
+            f"{opt} bias, {opt} residual, {opt} ret0)"],
         ops.linear_int8.default: [
             f"AOTITorchError aoti_torch_cpu_linear_int8({h} x, {h} qweight, {h} scale, "
             f"{opt} bias, {opt} residual, {opt} ret0)"],
@@ -358,19 +373,27 @@ def attends(head_dim: int) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None,
-           many_rows: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) (+ residual [..., N], added before the one
-    rounding to bfloat16), bfloat16. many_rows (an int64 tensor of one element, P): x's first P
-    rows are prefill chunks' and, in the avx512 and avx512-bf16 builds, go through the float32
-    matrix product built for hundreds of rows; each row's numbers then depend on which of the
-    two it takes, never on the rest of the call."""
+    rounding to bfloat16), bfloat16."""
     if x.dim() == 2:
-        return torch.ops.agentflash.linear_bf16(x, weight, bias, many_rows, residual)
+        return torch.ops.agentflash.linear_bf16(x, weight, bias, residual)
     flat = None if residual is None else residual.reshape(-1, weight.shape[0])
-    out = torch.ops.agentflash.linear_bf16(x.reshape(-1, x.shape[-1]), weight, bias, many_rows,
-                                           flat)
+    out = torch.ops.agentflash.linear_bf16(x.reshape(-1, x.shape[-1]), weight, bias, flat)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
+                  bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` on a weight of n rows packed by `pack_panels`: each output one float32 FMA
+    chain over K in order (x and W widened exactly), plus the bias and the residual, rounded
+    once to bfloat16, whatever the row count. Only where `prefer_float32()`."""
+    if x.dim() == 2:
+        return torch.ops.agentflash.linear_panels(x, panels, n, bias, residual)
+    flat = None if residual is None else residual.reshape(-1, n)
+    out = torch.ops.agentflash.linear_panels(x.reshape(-1, x.shape[-1]), panels, n, bias, flat)
+    return out.view(*x.shape[:-1], n)
 
 
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -421,9 +444,14 @@ def masked_top1(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 def _register_fakes() -> None:
     @torch.library.register_fake("agentflash::linear_bf16")
     def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                many_rows: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("agentflash::linear_panels")
+    def _linear_panels(x: torch.Tensor, panels: torch.Tensor, n: int,
+                       bias: torch.Tensor | None = None,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
 
     def _linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None,

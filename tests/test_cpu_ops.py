@@ -31,11 +31,19 @@ def _bf16(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
+PANELS = cpu_ops.isa() is not None and cpu_ops.isa().name != "avx2"
+"""This build has `linear_panels` (every set with AVX512)."""
+
+
 def _weights(fmt, n, k):
     """(the op as y = f(x, bias, residual), its weight in float32) for a random weight."""
     if fmt == "bf16":
         w = _bf16(n, k, seed=0)
         return (lambda x, b, r=None: cpu_ops.linear(x, w, b, r)), w.float()
+    if fmt == "panels":
+        w = _bf16(n, k, seed=0)
+        panels = cpu_ops.pack_panels(w)
+        return (lambda x, b, r=None: cpu_ops.linear_panels(x, panels, n, b, r)), w.float()
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) * 0.02 + 0.001
@@ -43,7 +51,7 @@ def _weights(fmt, n, k):
     return (lambda x, b, r=None: op(x, q, scale, b, r)), q.float() * scale[:, None]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8-dynamic"])
+@pytest.mark.parametrize("fmt", ["bf16", *(["panels"] if PANELS else []), "int8", "int8-dynamic"])
 @pytest.mark.parametrize("n,k", [(384, 384), (2048, 384), (1024, 3072), (203, 200), (5, 37)])
 def test_linear_matches_float32_and_rows_are_independent(fmt, n, k):
     op, w = _weights(fmt, n, k)
@@ -63,32 +71,25 @@ def test_linear_matches_float32_and_rows_are_independent(fmt, n, k):
     with_r, want_r = op(x, b, r), want + r.float()
     assert (with_r.float() - want_r).abs().max() <= want_r.abs().max() * 2 ** -7
     assert torch.equal(op(x[5:21], b, r[5:21]), with_r[5:21])
-    if fmt == "bf16":  # the Python wrapper takes leading dims
+    if fmt in ("bf16", "panels"):  # the Python wrapper takes leading dims
         assert torch.equal(op(x[None, :8], b)[0], y[:8])
 
 
-@pytest.mark.parametrize("n,k", [(640, 384), (2048, 384), (384, 1024), (203, 200), (5, 37)])
-def test_prefill_rows_are_independent_of_the_call_and_the_rest_are_decode_rows(n, k):
-    """`many_rows`: a call's first P rows are prefill rows (a float32 matrix product in the
-    avx512 and avx512-bf16 builds), each the same whatever else the call holds; the rows after
-    them are the kernel's decode rows, bit for bit."""
-    w, b = _bf16(n, k, seed=0), _bf16(n, seed=1)
-    x, r = _bf16(70, k, seed=2), _bf16(70, n, seed=4)
-
-    def many(rows):
-        return torch.tensor([rows])
-    y = cpu_ops.linear(x, w, b, r, many_rows=many(50))
-    want = torch.nn.functional.linear(x.float(), w.float(), b.float()) + r.float()
-    assert (y.float() - want).abs().max() <= want.abs().max() * 2 ** -7
-    assert torch.equal(y[50:], cpu_ops.linear(x[50:], w, b, r[50:]))
-    for rows in (slice(0, 1), slice(3, 11), slice(10, 50), slice(7, 29)):
-        alone = cpu_ops.linear(x[rows], w, b, r[rows], many_rows=many(rows.stop - rows.start))
-        assert torch.equal(alone, y[rows])
-    assert torch.equal(cpu_ops.linear(x[:50], w, b, r[:50], many_rows=many(50)), y[:50])
-    assert torch.equal(cpu_ops.linear(x, w, b, r, many_rows=many(0)), cpu_ops.linear(x, w, b, r))
-    for bad in (many(71), many(-1), torch.tensor([1, 2])):
-        with pytest.raises(RuntimeError, match="many_rows"):
-            cpu_ops.linear(x, w, many_rows=bad)
+def test_panels_are_the_weight_and_refuse_another_shape():
+    """`pack_panels`' layout holds every element of W once (zeros past N and K), and
+    `linear_panels` refuses panels of another weight's shape, or on the wrong n (and, in the
+    build without them, AVX2, any call)."""
+    w = _bf16(50, 7, seed=0)
+    panels = cpu_ops.pack_panels(w)
+    assert panels.shape == (2, 4, 48, 2)
+    unpacked = panels.permute(0, 2, 1, 3).reshape(96, 8)
+    assert torch.equal(unpacked[:50, :7], w)
+    assert not unpacked[50:].any() and not unpacked[:, 7:].any()
+    x = _bf16(3, 7, seed=1)
+    for bad_x, bad_panels, n in ((x, panels, 97), (_bf16(3, 9, seed=2), panels, 50),
+                                 (x, panels.float(), 50), (x, panels[:1], 50)):
+        with pytest.raises(RuntimeError, match="panels"):
+            cpu_ops.linear_panels(bad_x, bad_panels, n)
 
 
 @pytest.mark.parametrize("n,k", [(384, 384), (1024, 3072), (203, 200), (5, 37)])
@@ -122,6 +123,8 @@ def test_kernel_linears_share_the_weights_and_leave_the_model_as_it_was():
                                 torch.nn.Linear(32, 8, bias=False)).to(torch.bfloat16)
     fast = with_kernel_linears(model)
     assert isinstance(fast[0], KernelLinear) and fast[0].weight is model[0].weight
+    # where the kernels prefer float32 products, each also holds its weight in panels
+    assert (fast[0].panels is not None) == cpu_ops.prefer_float32()
     assert isinstance(model[0], torch.nn.Linear)
     x = _bf16(3, 64, seed=3)
     cos = torch.nn.functional.cosine_similarity(fast(x).float(), model(x).float(), dim=-1)

@@ -34,7 +34,7 @@ from agentflash.engine.sampler import SamplingParams
 from agentflash.engine.batch import BatchItem
 
 LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
-              "agentflash::linear_bf16",
+              "agentflash::linear_bf16", "agentflash::linear_panels",
               "agentflash::linear_int8"}
 GATHER_OPS = {"aten::index_select"}
 # the torch path's batched matmuls, or agentflash's CPU attention kernel (which reads the pool in

@@ -190,7 +190,7 @@ class CompiledForward(DecodeForward):
                  draft_v_caches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         return self.program.run_flat([
             args.ids, args.positions, args.rows, args.slot_mapping, *args.attention, *k_caches,
-            *v_caches, *draft_k_caches, *draft_v_caches, args.many_rows])[0]
+            *v_caches, *draft_k_caches, *draft_v_caches])[0]
 
 
 class CompiledDraft(DraftForward):
@@ -224,8 +224,11 @@ class CompiledDraft(DraftForward):
 def _linears(kernels: bool) -> str:
     """What computes a program's linears and attention, for its cache key (the kernels'
     sources included)."""
+    if not kernels:
+        return "onednn"
     isa = cpu_ops.isa()
-    return f"{isa.name if isa else '?'}-{cpu_ops.source_digest()}" if kernels else "onednn"
+    products = "float32" if cpu_ops.prefer_float32() else "native"
+    return f"{isa.name if isa else '?'}-{products}-{cpu_ops.source_digest()}"
 
 
 @functools.cache
@@ -331,7 +334,7 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
     a = step_args(torch.zeros(sum(num_new), dtype=torch.long), positions, attn,
                   torch.tensor([0, 1, 2, 3, 4, 6]))
     example = (a.ids, a.positions, a.rows, a.slot_mapping, a.attention, k_caches, v_caches,
-               draft_k, draft_v, a.many_rows)
+               draft_k, draft_v)
     Dim = torch.export.Dim
     tokens, seqs = Dim("tokens", min=1, max=1 << 16), Dim("seqs", min=1, max=1 << 12)
     slots = Dim("slots", min=page_size)
@@ -346,7 +349,7 @@ def _step_export(model: CausalLM, drafter: DFlashDraftModel | None, page_size: i
     rows = Dim("rows", min=1, max=1 << 16)
     shapes = ({0: tokens}, {0: tokens}, {0: rows}, {0: tokens}, attention,
               [{0: slots}] * len(k_caches), [{0: slots}] * len(v_caches),
-              [{0: slots}] * len(draft_k), [{0: slots}] * len(draft_v), None)
+              [{0: slots}] * len(draft_k), [{0: slots}] * len(draft_v))
     return TargetStep(model, drafter, kernels, page_size), example, shapes
 
 
@@ -400,7 +403,7 @@ def _compile(make: Callable[[], tuple], path: Path, kernels: bool) -> None:
 
 def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
     """Rewrite `linear_bf16(x, w, b) + r` as `linear_bf16(x, w, b, residual=r)` (and the same for
-    `linear_int8(x, q, scale, b)` and `linear_int8_dynamic`), in place.
+    `linear_panels`, `linear_int8(x, q, scale, b)` and `linear_int8_dynamic`), in place.
 
     The residual stream is then written by the kernel, rounded once to bfloat16, as oneDNN's
     fused add wrote it. Left to Inductor, the add fuses with what reads it, and whether a reader
@@ -412,7 +415,8 @@ def _fold_residual_adds(program: torch.export.ExportedProgram) -> int:
     if not cpu_ops.loaded():
         return 0
     ops = torch.ops.agentflash
-    linears = (ops.linear_bf16.default, ops.linear_int8.default, ops.linear_int8_dynamic.default)
+    linears = (ops.linear_bf16.default, ops.linear_panels.default, ops.linear_int8.default,
+               ops.linear_int8_dynamic.default)
     graph = program.graph_module.graph
     folded = 0
     for node in list(graph.nodes):

@@ -30,7 +30,6 @@ from ..models.dflash import DFlashDraftModel
 from ..models.qwen3 import CausalLM
 from .attention import KernelAttention, KernelDraftAttention
 from .kernel_linear import KernelLinear, with_kernel_linears
-from .kernel_linear import many_rows as kernel_many_rows
 
 
 @dataclass(frozen=True)
@@ -47,31 +46,26 @@ class StepArgs:
     [T]); else the torch path's (q_index [B, Q]: token row per (sequence, query), T padding;
     out_index [T]: row of the [B*Q] output holding each token; the ChunkPlan's kv_index
     [B, Hkv, n, C] and visible [B, n, Q, C])."""
-    many_rows: torch.Tensor      # [1] int64: the first tokens that are prefill chunks' (laid
-                                 # out first), which the kernels' linears take as such
 
 
 def step_args(ids: torch.Tensor, positions: torch.Tensor,
-              attn: PagedAttention | KernelAttention, rows: torch.Tensor | None = None,
-              prefill_tokens: int = 0) -> StepArgs:
+              attn: PagedAttention | KernelAttention,
+              rows: torch.Tensor | None = None) -> StepArgs:
     """The forward's inputs for a forward whose metadata is `attn`: a KernelAttention, or a
     PagedAttention built with `one_group=True` on CPU in bfloat16 (so with a ChunkPlan).
-    rows: the tokens whose outputs are wanted (None: every token); prefill_tokens: how many of
-    the first tokens are prefill chunks' (the rest decode rows and verify blocks)."""
+    rows: the tokens whose outputs are wanted (None: every token)."""
     if rows is None:
         rows = torch.arange(ids.shape[0], device=ids.device)
-    many_rows = torch.tensor([prefill_tokens], dtype=torch.long)
     if isinstance(attn, KernelAttention):
         return StepArgs(ids, positions, rows, attn.slot_mapping,
-                        (attn.page_table, attn.token_seq, attn.token_keys), many_rows)
+                        (attn.page_table, attn.token_seq, attn.token_keys))
     (group,) = attn.groups
     assert group.plan is not None
     out_index = group.out_index
     if out_index is None:
         out_index = torch.arange(ids.shape[0], device=ids.device)
     return StepArgs(ids, positions, rows, attn.slot_mapping,
-                    (group.q_index, out_index, group.plan.kv_index, group.plan.visible),
-                    many_rows)
+                    (group.q_index, out_index, group.plan.kv_index, group.plan.visible))
 
 
 def draft_metadata(attn: KernelDraftAttention | PagedDraftAttention) -> tuple[torch.Tensor, ...]:
@@ -135,7 +129,7 @@ class TargetStep(nn.Module):
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
 
     def forward(self, ids, positions, rows, slot_mapping, attention, k_caches, v_caches,
-                draft_k_caches, draft_v_caches, many_rows):
+                draft_k_caches, draft_v_caches):
         scale = self.model.attention_scale
         if self.kernels:
             attn = KernelAttention(k_caches, v_caches, slot_mapping, *attention, self.page_size,
@@ -144,12 +138,11 @@ class TargetStep(nn.Module):
             q_index, out_index, kv_index, visible = attention
             attn = PagedAttention.from_plan(k_caches, v_caches, slot_mapping, q_index, out_index,
                                             torch_ops.ChunkPlan(kv_index, visible), scale)
-        with kernel_many_rows(many_rows):  # every linear in here takes the tokens as rows
-            out = self.model(ids, positions, attn, self.capture)
-            if self.drafter is not None:
-                ctx = self.drafter.context_features(out.captured)
-                for i, (k, v) in enumerate(zip(draft_k_caches, draft_v_caches)):
-                    self.drafter.store_context_kv(i, ctx, positions, slot_mapping, k, v)
+        out = self.model(ids, positions, attn, self.capture)
+        if self.drafter is not None:
+            ctx = self.drafter.context_features(out.captured)
+            for i, (k, v) in enumerate(zip(draft_k_caches, draft_v_caches)):
+                self.drafter.store_context_kv(i, ctx, positions, slot_mapping, k, v)
         hidden = out.hidden.index_select(0, rows)
         return hidden if self.head is None else self.head(hidden).float()
 
@@ -220,8 +213,6 @@ class DecodeForward:
         self.kernels = kernels     # linears and attention through agentflash's CPU kernels
         self.returns_logits = kernels  # the head inside (TargetStep)
         self.takes_prefill = kernels and cpu_ops.fast_many_rows(self.kind == "compiled")
-        # its linears take prefill rows by their float32 matrix product (cpu_ops.linear)
-        self.many_rows = self.takes_prefill and cpu_ops.prefer_float32()
         self.step = step
 
     @classmethod
@@ -241,19 +232,18 @@ class DecodeForward:
                                     page_size, scale, one_group=True)
 
     def args(self, ids: torch.Tensor, positions: torch.Tensor,
-             attn: KernelAttention | PagedAttention, rows: torch.Tensor | None = None,
-             prefill_tokens: int = 0) -> StepArgs:
+             attn: KernelAttention | PagedAttention,
+             rows: torch.Tensor | None = None) -> StepArgs:
         """The forward's inputs for new tokens `ids` at `positions` with metadata `attn`, the
-        outputs of tokens `rows` wanted (None: every token's), the first `prefill_tokens`
-        tokens prefill chunks' (given to the linears where `many_rows`)."""
-        return step_args(ids, positions, attn, rows, prefill_tokens if self.many_rows else 0)
+        outputs of tokens `rows` wanted (None: every token's)."""
+        return step_args(ids, positions, attn, rows)
 
     def __call__(self, args: StepArgs, k_caches: Sequence[torch.Tensor],
                  v_caches: Sequence[torch.Tensor], draft_k_caches: Sequence[torch.Tensor] = (),
                  draft_v_caches: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         assert self.step is not None
         return self.step(args.ids, args.positions, args.rows, args.slot_mapping, args.attention,
-                         k_caches, v_caches, draft_k_caches, draft_v_caches, args.many_rows)
+                         k_caches, v_caches, draft_k_caches, draft_v_caches)
 
 
 class DraftForward:

@@ -1,7 +1,8 @@
 """Linear layers through agentflash's CPU kernel (kernels.cpu_ops.linear).
 
 `KernelLinear` computes `nn.Linear`'s forward through the kernel, on the same weight and bias
-tensors (no copy, no packed layout). `with_kernel_linears` gives a copy of a model that shares
+tensors (where the kernels prefer float32 products, on a copy of the weight packed in panels).
+`with_kernel_linears` gives a copy of a model that shares
 every parameter and has each linear computed that way: what engine.cpu.compiled traces its
 programs from, so the decode and verify rows of a compiled step read the checkpoint's weights
 through the kernel while the eager model (prefill) keeps its own linears.
@@ -19,9 +20,8 @@ model in place.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,38 +30,30 @@ from torch import nn
 from agentflash.kernels import cpu_ops
 
 
-_MANY_ROWS: list[torch.Tensor] = []
-
-
-@contextlib.contextmanager
-def many_rows(rows: torch.Tensor) -> Iterator[None]:
-    """Within it, every `KernelLinear` call gives the kernel `rows` (an int64 tensor of one
-    element, P: its x's first P rows are prefill rows; kernels.cpu_ops.linear). For a forward
-    whose linears all take the forward's tokens as rows (engine.cpu.forward.TargetStep's layers,
-    not its head); a traced forward records the tensor as each call's argument."""
-    _MANY_ROWS.append(rows)
-    try:
-        yield
-    finally:
-        _MANY_ROWS.pop()
-
-
 class KernelLinear(nn.Module):
-    """y = x W^T + b through the CPU kernel (bfloat16, CPU); inside `many_rows`, the prefill rows
-    through its float32 matrix product."""
+    """y = x W^T + b through the CPU kernel (bfloat16, CPU). Where the kernels prefer float32
+    products (kernels.cpu_ops.prefer_float32), W is also packed once into `linear_panels`'
+    layout (`panels`: the same bytes again) and every call takes it; else `linear` reads W in
+    place."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.bias = bias
+        panels = None
+        if cpu_ops.prefer_float32() and weight.dtype == torch.bfloat16:
+            panels = cpu_ops.pack_panels(weight.detach())
+        self.register_buffer("panels", panels, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.linear(x, self.weight, self.bias,
-                              many_rows=_MANY_ROWS[-1] if _MANY_ROWS else None)
+        if self.panels is not None:
+            return cpu_ops.linear_panels(x, self.panels, self.out_features, self.bias)
+        return cpu_ops.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel"
+        kind = "panels" if self.panels is not None else "kernel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 WIDEN_ROWS = 64

@@ -1,5 +1,5 @@
 // AVX512 helpers shared by agentflash's AVX512 kernels: avx512-bf16/linear.cpp and
-// avx512-bf16/attention.cpp (AVX512-BF16), avx512/linear.cpp, avx512/linear_float32_rows.cpp
+// avx512-bf16/attention.cpp (AVX512-BF16), avx512/linear.cpp, avx512/linear_panels.cpp
 // and avx512/attention_float32.cpp (AVX512F).
 // All but store_bf16 are AVX512F.
 #pragma once

@@ -43,11 +43,15 @@ void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1);
 void linear_int8_columns(const LinearArgs& a, int64_t n0, int64_t n1);
 // The same for int8 W with x's rows quantized to 16-bit integers first (linear_dynamic_<isa>.cpp).
 void linear_int8_dynamic_columns(const LinearArgs& a, int64_t n0, int64_t n1);
-// Every row of y for bfloat16 W's rows [n0, n1) as a float32 matrix product (a prefill chunk's
-// rows; avx512/linear_float32_rows.cpp, in the sets with AVX512): xs holds x's M rows widened to
-// float32, ldxs apart. Each output is its own sequence too, though not linear_columns' one.
-void linear_float32_rows(const LinearArgs& a, const float* xs, int64_t ldxs, int64_t n0,
-                         int64_t n1);
+// Every row of y for W's rows [n0, n1) (n0 a multiple of kPanelColumns) as a float32 matrix
+// product on W packed into bfloat16 panels (avx512/linear_panels.cpp, in the sets with AVX512;
+// the layout is there): xs holds x's M rows widened to float32, ldxs apart. Each output is its
+// own sequence too, though not linear_columns' one.
+constexpr int64_t kPanelColumns = 48;
+void linear_panel_columns(const LinearArgs& a, const uint16_t* panels, const float* xs,
+                          int64_t ldxs, int64_t n0, int64_t n1);
+// Rows [m0, m1) of bfloat16 x [M, K] (rows ldx apart) widened exactly into float32 xs [M, K].
+void widen_rows(const uint16_t* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1, float* xs);
 // Every row of y for bfloat16 W by AMX tiles, threads splitting W's rows (amx/linear_amx.cpp; only
 // in the amx set's library). False, with nothing computed, where W's shape (K a multiple of 32,
 // N of 16) or the OS does not allow it: a property of the shape and the process, never of M.

@@ -2,22 +2,25 @@
 // built for the few rows of a decode step or a verify block; agentflash::linear_int8: the same
 // for int8 weights with a float32 scale per row (y = (x q^T) * scale + b), half the bytes;
 // agentflash::linear_int8_dynamic: int8 weights times x's rows quantized to 16-bit integers,
-// summed in int32 (a drafter's linears: linear_dynamic_<isa>.cpp).
+// summed in int32 (a drafter's linears: linear_dynamic_<isa>.cpp); agentflash::linear_panels:
+// bfloat16 W packed ahead into panels, any number of rows as a float32 matrix product (the sets
+// with AVX512, where kernels.cpu_ops.prefer_float32(): avx512/linear_panels.cpp).
 //
 // Why it exists (docs/performance.md): oneDNN's bf16 matmul costs 20-30 us a call at one row
 // whatever the size (a 384x384 layer takes as long as a 2048x384 one), so the 24 linears of an
 // agentflash-11m step cost ~1.6 ms where their weights stream from cache in ~0.3 ms; on CPUs
 // without native bf16 (AVX2) torch's bf16 matmul is slower still. W is read in its checkpoint
-// layout (no packed copy). This file checks the arguments and splits W's rows over threads;
-// <isa>/linear.cpp (and, on AVX2, avx2/linear_int8.cpp) compute them (kernels.h: every output
-// by the same instruction sequence); in the amx set, amx/linear_amx.cpp computes bfloat16
-// weights of the shapes its tiles take.
+// layout (no packed copy), except by linear_panels. This file checks the arguments and splits
+// W's rows over threads; <isa>/linear.cpp (and, on AVX2, avx2/linear_int8.cpp) compute them
+// (kernels.h: every output by the same instruction sequence); in the amx set,
+// amx/linear_amx.cpp computes bfloat16 weights of the shapes its tiles take.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "kernels.h"
 #include "ops.h"
@@ -30,34 +33,12 @@ namespace {
 // Threads take W's rows in multiples of this (a multiple of every implementation's tile width).
 constexpr int64_t kColumns = 24;
 
-#if defined(CPU_CAPABILITY_AVX512) && !defined(__AMX_BF16__)
-#define FLOAT32_ROWS  // linear_float32_rows is in this set's library (amx: its tiles take them)
-#endif
-
-// Panels of linear_float32_rows: threads take W's rows in multiples of this.
-constexpr int64_t kPanelColumns = 48;
-
-// How many of the call's first rows are prefill rows: many_rows[0] (an int64 tensor of one
-// element, from the caller: the rows of its prefill chunks, laid out first), checked to be at
-// most M in every set; only the FLOAT32_ROWS sets compute them apart.
-int64_t many_rows_of(const char* op, const std::optional<at::Tensor>& many_rows, int64_t M) {
-  if (!many_rows.has_value() || !many_rows->defined()) return 0;
-  TORCH_CHECK(many_rows->numel() == 1 && many_rows->scalar_type() == at::kLong &&
-                  many_rows->device().is_cpu(),
-              op, ": many_rows is an int64 CPU tensor of one element");
-  const int64_t rows = *many_rows->const_data_ptr<int64_t>();  // (item() dispatches: ~40 us)
-  TORCH_CHECK(rows >= 0 && rows <= M, op, ": many_rows ", rows, " is not in [0, M = ", M, "]");
-  return rows;
-}
-
-// y = x W^T with the rest of `a` filled in from the tensors (bias, residual, y): by `whole`
-// where it takes the call, else its first `many` rows by linear_float32_rows and the rest by
-// `columns`, threads splitting W's N rows.
+// y = x W^T with the rest of `a` filled in from the tensors (bias, residual, y), computed by
+// `compute(a)`.
+template <class Compute>
 at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
-               agentflash_cpu::LinearArgs a,
-               void (*columns)(const agentflash_cpu::LinearArgs&, int64_t, int64_t),
-               bool (*whole)(const agentflash_cpu::LinearArgs&) = nullptr, int64_t many = 0) {
+               agentflash_cpu::LinearArgs a, const Compute& compute) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
@@ -82,31 +63,19 @@ at::Tensor run(const char* op, const at::Tensor& x, int64_t N,
   a.M = M;
   a.K = K;
   a.N = N;
-  if (whole != nullptr && whole(a)) return y;
-#ifdef FLOAT32_ROWS
-  if (many > 0) {
-    const at::Tensor xs = x.narrow(0, 0, many).to(at::kFloat).contiguous();  // exact
-    agentflash_cpu::LinearArgs head = a;
-    head.M = many;
-    const int64_t panels = (N + kPanelColumns - 1) / kPanelColumns;
-    agentflash_cpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      agentflash_cpu::linear_float32_rows(head, xs.data_ptr<float>(), K, p0 * kPanelColumns,
-                                          std::min(N, p1 * kPanelColumns));
-    });
-    if (many == M) return y;
-    a.x += many * a.ldx;
-    a.y += many * a.ldy;
-    if (a.residual != nullptr) a.residual += many * a.ldy;
-    a.M = M - many;
-  }
-#endif
-  const int64_t blocks = (N + kColumns - 1) / kColumns;
-  // at least ~16 KB of weights per task: smaller ones cost more to hand out than to compute
-  const int64_t grain = std::max<int64_t>(1, 16384 / (2 * kColumns * std::max<int64_t>(K, 1)));
-  agentflash_cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    columns(a, b0 * kColumns, std::min(N, b1 * kColumns));
-  });
+  compute(a);
   return y;
+}
+
+// Every row of y by `columns`, threads splitting W's N rows.
+void by_columns(const agentflash_cpu::LinearArgs& a,
+                void (*columns)(const agentflash_cpu::LinearArgs&, int64_t, int64_t)) {
+  const int64_t blocks = (a.N + kColumns - 1) / kColumns;
+  // at least ~16 KB of weights per task: smaller ones cost more to hand out than to compute
+  const int64_t grain = std::max<int64_t>(1, 16384 / (2 * kColumns * std::max<int64_t>(a.K, 1)));
+  agentflash_cpu::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    columns(a, b0 * kColumns, std::min(a.N, b1 * kColumns));
+  });
 }
 
 at::Tensor checked_x(const char* op, const at::Tensor& x, const at::Tensor& weight) {
@@ -133,7 +102,8 @@ at::Tensor int8_weights(const char* op, const at::Tensor& x, const at::Tensor& q
   a.qw = wc.data_ptr<int8_t>();
   a.ldw = wc.stride(0);
   a.scale = sc.data_ptr<float>();
-  return run(op, xc, wc.size(0), bias, residual, a, columns);
+  return run(op, xc, wc.size(0), bias, residual, a,
+             [&](const agentflash_cpu::LinearArgs& args) { by_columns(args, columns); });
 }
 
 }  // namespace
@@ -142,19 +112,59 @@ namespace agentflash_cpu {
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& many_rows,
                        const std::optional<at::Tensor>& residual) {
   const at::Tensor xc = checked_x("linear_bf16", x, weight);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 x and weight");
   const at::Tensor wc = weight.stride(1) == 1 ? weight : weight.contiguous();
-  const int64_t many = many_rows_of("linear_bf16", many_rows, xc.size(0));
   agentflash_cpu::LinearArgs a{};
   a.w = reinterpret_cast<const uint16_t*>(wc.data_ptr());
   a.ldw = wc.stride(0);
+  return run("linear_bf16", xc, wc.size(0), bias, residual, a,
+             [](const agentflash_cpu::LinearArgs& args) {
 #ifdef __AMX_BF16__
-  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns, linear_amx, many);
+               if (linear_amx(args)) return;
+#endif
+               by_columns(args, linear_columns);
+             });
+}
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "linear_panels: bfloat16 CPU x [M, K], got ", x.sizes());
+  const int64_t K = x.size(1);
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.device().is_cpu() && panels.is_contiguous() &&
+                  panels.size(0) == (n + kPanelColumns - 1) / kPanelColumns &&
+                  panels.size(1) == (K + 1) / 2 && panels.size(2) == kPanelColumns &&
+                  panels.size(3) == 2,
+              "linear_panels: panels of W [n = ", n, ", K = ", K,
+              "] (kernels.cpu_ops.pack_panels), got ", panels.sizes(), " ", panels.scalar_type());
+#ifdef CPU_CAPABILITY_AVX512
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const auto* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  return run("linear_panels", xc, n, bias, residual, agentflash_cpu::LinearArgs{},
+             [w](const agentflash_cpu::LinearArgs& a) {
+               // x's rows widened once (exact), read by every thread's tiles
+               thread_local std::vector<float> widened;
+               widened.resize(a.M * a.K);
+               float* xs = widened.data();
+               agentflash_cpu::parallel_for(0, a.M, std::max<int64_t>(1, 8192 / a.K),
+                                            [&](int64_t m0, int64_t m1) {
+                 agentflash_cpu::widen_rows(a.x, a.ldx, a.K, m0, m1, xs);
+               });
+               const int64_t count = (a.N + kPanelColumns - 1) / kPanelColumns;
+               // a row or two take up to 4 panels at a time (avx512/linear_panels.cpp)
+               const int64_t grain = a.M <= 2 ? 4 : 1;
+               agentflash_cpu::parallel_for(0, count, grain, [&](int64_t p0, int64_t p1) {
+                 agentflash_cpu::linear_panel_columns(a, w, xs, a.K, p0 * kPanelColumns,
+                                                      std::min(a.N, p1 * kPanelColumns));
+               });
+             });
 #else
-  return run("linear_bf16", xc, wc.size(0), bias, residual, a, linear_columns, nullptr, many);
+  TORCH_CHECK(false, "linear_panels: this instruction set's library has no float32 panels "
+              "(kernels.cpu_ops.prefer_float32() is False here)");
 #endif
 }
 
@@ -174,7 +184,9 @@ at::Tensor linear_int8_dynamic(const at::Tensor& x, const at::Tensor& qweight,
 }  // namespace agentflash_cpu
 
 TORCH_LIBRARY_FRAGMENT(agentflash, m) {
-  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? many_rows=None, "
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None) -> "
+        "Tensor");
+  m.def("linear_panels(Tensor x, Tensor panels, int n, Tensor? bias=None, "
         "Tensor? residual=None) -> Tensor");
   m.def("linear_int8(Tensor x, Tensor qweight, Tensor scale, Tensor? bias=None, "
         "Tensor? residual=None) -> Tensor");
@@ -184,6 +196,7 @@ TORCH_LIBRARY_FRAGMENT(agentflash, m) {
 
 TORCH_LIBRARY_IMPL(agentflash, CPU, m) {
   m.impl("linear_bf16", &agentflash_cpu::linear_bf16);
+  m.impl("linear_panels", &agentflash_cpu::linear_panels);
   m.impl("linear_int8", &agentflash_cpu::linear_int8);
   m.impl("linear_int8_dynamic", &agentflash_cpu::linear_int8_dynamic);
 }

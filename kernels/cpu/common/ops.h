@@ -11,8 +11,11 @@ namespace agentflash_cpu {
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& many_rows,
                        const std::optional<at::Tensor>& residual);
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual);
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias,

@@ -35,12 +35,22 @@ const at::Tensor& tensor(AtenTensorHandle handle) {
 extern "C" {
 
 AOTITorchError aoti_torch_cpu_linear_bf16(AtenTensorHandle x, AtenTensorHandle weight,
-                                          AtenTensorHandle* bias, AtenTensorHandle* many_rows,
-                                          AtenTensorHandle* residual, AtenTensorHandle* ret0) {
+                                          AtenTensorHandle* bias, AtenTensorHandle* residual,
+                                          AtenTensorHandle* ret0) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     RECORD_FUNCTION("agentflash::linear_bf16", std::vector<c10::IValue>());
-    *ret0 = new_tensor_handle(agentflash_cpu::linear_bf16(
-        tensor(x), tensor(weight), optional(bias), optional(many_rows), optional(residual)));
+    *ret0 = new_tensor_handle(agentflash_cpu::linear_bf16(tensor(x), tensor(weight),
+                                                          optional(bias), optional(residual)));
+  });
+}
+
+AOTITorchError aoti_torch_cpu_linear_panels(AtenTensorHandle x, AtenTensorHandle panels,
+                                            int64_t n, AtenTensorHandle* bias,
+                                            AtenTensorHandle* residual, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("agentflash::linear_panels", std::vector<c10::IValue>());
+    *ret0 = new_tensor_handle(agentflash_cpu::linear_panels(tensor(x), tensor(panels), n,
+                                                            optional(bias), optional(residual)));
   });
 }
 
