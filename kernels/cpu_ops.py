@@ -291,17 +291,17 @@ def _prefers_float32() -> bool:
 
 
 def prefer_float32() -> bool:
-    """Whether the kernels here take float32 products: every bfloat16 linear of a model on the
-    kernels through `linear_panels` (decode rows, verify blocks and prefill chunks alike), and
-    attention in float32 (avx512/attention_float32.cpp; set once as the library loads). With
-    AVX512 without bf16 (float32 is all it has), and on Intel CPUs with AVX512-BF16 and no AMX,
-    where float32 multiply-adds outrun `vdpbf16ps` (half their rate on a 2-core Xeon): there
-    the panels take 0.6-0.9x the `vdpbf16ps` tiles' time for the 11m step's linears at 8-32
-    rows (about the same at 1-4), reach 225-266 GFLOP/s at 512 rows (the tiles 121-144), and
-    attention in float32 takes 0.65-0.85x the `vdpbf16ps` kernel's time from 1 to 200 queries
-    after 300-1,500 keys (docs/performance.md). Not on AMD's (a 2-core EPYC's `vdpbf16ps` tiles: ~370 GFLOP/s at 512
-    rows, above oneDNN's float32 there), nor with AMX (its tiles) or AVX2 (no panels; its
-    attention widens to float32 anyway)."""
+    """Whether the kernels here take float32 products: every `KernelLinear` through
+    `linear_panels` (decode rows, verify blocks, and prefill chunks where the kernels' forward
+    takes them: `fast_many_rows`), and attention in float32 (avx512/attention_float32.cpp; set
+    once as the library loads). With AVX512 without bf16 (float32 is all it has), and on Intel
+    CPUs with AVX512-BF16 and no AMX, where float32 multiply-adds outrun `vdpbf16ps` (half their
+    rate on a 2-core Xeon): there the panels take 0.6-0.9x the `vdpbf16ps` tiles' time for the
+    11m step's linears at 8-32 rows (about the same at 1-4), reach 225-266 GFLOP/s at 512 rows
+    (the tiles 121-144), and attention in float32 takes 0.65-0.85x the `vdpbf16ps` kernel's time
+    from 1 to 200 queries after 300-1,500 keys (docs/performance.md). Not on AMD's (a 2-core
+    EPYC's `vdpbf16ps` tiles: ~370 GFLOP/s at 512 rows, above oneDNN's float32 there), nor with
+    AMX (its tiles) or AVX2 (no panels; its attention widens to float32 anyway)."""
     return available() and _prefers_float32()
 
 

@@ -2,10 +2,9 @@
 
 `KernelLinear` computes `nn.Linear`'s forward through the kernel, on the same weight and bias
 tensors (where the kernels prefer float32 products, on a copy of the weight packed in panels).
-`with_kernel_linears` gives a copy of a model that shares
-every parameter and has each linear computed that way: what engine.cpu.compiled traces its
-programs from, so the decode and verify rows of a compiled step read the checkpoint's weights
-through the kernel while the eager model (prefill) keeps its own linears.
+`with_kernel_linears` gives a copy of a model that shares every parameter and has each linear
+computed that way: what engine.cpu.compiled traces its programs from, so the rows of a
+compiled step go through the kernel while the eager model keeps its own linears.
 
 `WidenedLinear` is the eager bfloat16 linear for CPUs without native bf16 matmuls (AVX2), where
 torch emulates them at a fifth of its float32 speed: few rows go through the kernel, more rows
