@@ -137,13 +137,14 @@ def test_a_widened_linear_takes_the_kernel_for_few_rows_and_float32_for_many():
     w, b = _bf16(96, 64, seed=0), _bf16(96, seed=1)
     layer = WidenedLinear(w, b)
     few, many = _bf16(WIDEN_ROWS, 64, seed=2), _bf16(WIDEN_ROWS + 1, 64, seed=3)
-    assert torch.equal(layer(few), cpu_ops.linear(few, w, b))
+    kernel = KernelLinear(w, b)  # (on its panels where the kernels prefer float32 products)
+    assert torch.equal(layer(few), kernel(few))
     want = torch.nn.functional.linear(many.float(), w.float(), b.float()).to(torch.bfloat16)
     assert torch.equal(layer(many), want)
     assert torch.equal(layer(many[None])[0], want)  # leading dimensions
     if float32_packing_available():  # the float32 weight kept in oneDNN's layout
         layer.pack()
-        assert torch.equal(layer(few), cpu_ops.linear(few, w, b))
+        assert torch.equal(layer(few), kernel(few))
         torch.testing.assert_close(layer(many), want, atol=0, rtol=1 / 128)
         assert torch.equal(layer(many[None])[0], layer(many))
 

@@ -84,7 +84,7 @@ class WidenedLinear(KernelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= WIDEN_ROWS * self.in_features:
-            return cpu_ops.linear(x, self.weight, self.bias)
+            return super().forward(x)  # the kernel (its panels, where it packed them)
         if self._packed is not None:
             flat = x.reshape(-1, self.in_features).float()
             out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self._bias, "none",
